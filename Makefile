@@ -1,0 +1,35 @@
+# The README's commands. `make setup` is idempotent; every other target runs it first.
+PY    := .venv/bin/python
+TORCH ?= torch==2.13.0
+STAMP := .venv/.setup-stamp
+
+.PHONY: setup build demo test bench lint clean
+
+setup: build
+
+$(STAMP): pyproject.toml setup.py
+	python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip "setuptools>=70" wheel ninja
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q --no-build-isolation -e '.[dev]'
+	touch $@
+
+# Incremental (ninja) rebuild of grpo_kernels._C after a change in csrc/.
+build: $(STAMP)
+	$(PY) setup.py -q build_ext --inplace 2>&1 | grep -v -i "warn\|deprecat\|^\s*$$\|\*\*\*\*" || true
+	$(PY) -c "import grpo_kernels._C"
+
+demo: setup
+	$(PY) -m grpo_kernels.cli demo
+
+test: setup lint
+	$(PY) -m pytest -q tests
+
+bench: setup
+	$(PY) benchmarks/bench_advantages.py
+
+lint: $(STAMP)
+	.venv/bin/ruff check grpo_kernels tests benchmarks examples setup.py
+
+clean:
+	rm -rf build grpo_kernels/*.so .venv

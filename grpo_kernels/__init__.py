@@ -1,0 +1,21 @@
+"""grpo-kernels: fused kernels for GRPO training.
+
+Importing the package loads the compiled extension `grpo_kernels._C` (the C++ CPU kernels) and registers
+every op in `torch.ops.grpo_kernels`.
+"""
+
+try:
+    from . import _C  # noqa: F401
+except ImportError as exc:  # a clear message instead of a later AttributeError
+    raise ImportError(
+        "grpo_kernels._C is not built for this torch; build it with `make build` or "
+        "`pip install --no-build-isolation -e .`"
+    ) from exc
+
+from . import ops, reference, theory
+from .advantages import group_advantages
+from .types import GroupAdvantages
+
+__version__ = "0.1.0"
+
+__all__ = ["GroupAdvantages", "group_advantages", "ops", "reference", "theory", "__version__"]

@@ -1,0 +1,156 @@
+"""Public API: group-relative advantages with invalid-group masking."""
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from . import reference
+from .ops import advantages as _ops
+from .types import GroupAdvantages
+
+__all__ = ["group_advantages", "GroupAdvantages"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_IMPLS = ("auto", "triton", "cpp", "reference")
+
+
+def _choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
+def _nonnegative(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def _check_offsets(group_offsets: torch.Tensor, n: int, device: torch.device) -> None:
+    if not isinstance(group_offsets, torch.Tensor) or group_offsets.dtype not in (torch.int32, torch.int64):
+        raise ValueError("group_offsets must be an int32 or int64 tensor")
+    if group_offsets.dim() != 1 or group_offsets.shape[0] < 2:
+        shape = tuple(group_offsets.shape)
+        raise ValueError(f"group_offsets must be 1-D with num_groups + 1 >= 2 entries, got {shape}")
+    if group_offsets.device != device:
+        raise ValueError(f"group_offsets is on {group_offsets.device} but rewards are on {device}")
+    if torch.compiler.is_compiling():
+        return
+    offsets = group_offsets.cpu()
+    if offsets[0] != 0 or offsets[-1] != n:
+        raise ValueError(f"group_offsets must start at 0 and end at N={n}, got {offsets[0]} ... {offsets[-1]}")
+    steps = offsets.diff()
+    if bool((steps <= 0).any()):
+        g = int((steps <= 0).nonzero()[0])
+        raise ValueError(f"group_offsets must be strictly increasing: group {g} is [{offsets[g]}, {offsets[g + 1]})")
+
+
+def _weights(reward_weights, k: int, one_dim: bool, device) -> torch.Tensor:
+    if reward_weights is None:
+        return torch.ones(k, dtype=torch.float32, device=device)
+    if isinstance(reward_weights, torch.Tensor):
+        w = reward_weights.to(device=device, dtype=torch.float32)
+    elif isinstance(reward_weights, Sequence):
+        w = torch.tensor([float(x) for x in reward_weights], dtype=torch.float32, device=device)
+    else:
+        raise ValueError(f"reward_weights must be a tensor or a sequence of numbers, got {type(reward_weights)}")
+    if w.shape != (k,):
+        what = "1-D rewards take no reward_weights (or exactly one)" if one_dim else f"rewards have K={k} columns"
+        raise ValueError(f"reward_weights must have shape ({k},), got {tuple(w.shape)}: {what}")
+    if not torch.compiler.is_compiling() and not bool(torch.isfinite(w).all()):
+        raise ValueError("reward_weights hold a non-finite value")
+    return w.contiguous()
+
+
+def _check_device(impl: str, device: torch.device) -> None:
+    if impl == "cpp" and device.type != "cpu":
+        raise ValueError(f"impl='cpp' runs CPU tensors only; rewards are on {device}")
+    if impl == "triton" and device.type not in ("cpu", "cuda"):
+        raise ValueError(f"impl='triton' runs CUDA tensors (or CPU under TRITON_INTERPRET=1), not {device}")
+    if impl == "auto" and device.type not in ("cpu", "cuda"):
+        raise ValueError(f"no grpo_kernels backend for {device} tensors (CPU and CUDA only)")
+
+
+def _first_non_finite(rewards: torch.Tensor) -> str:
+    idx = (~torch.isfinite(rewards)).nonzero()[0].tolist()
+    return f"rewards[{', '.join(map(str, idx))}] = {rewards[tuple(idx)].item()}"
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    *,
+    group_size: int | None = None,
+    group_offsets: torch.Tensor | None = None,
+    scale: str = "group",
+    eps: float = 1e-6,
+    std: str = "unbiased",
+    min_std: float = 1e-4,
+    reward_weights: torch.Tensor | Sequence[float] | None = None,
+    nan: str = "error",
+    impl: str = "auto",
+) -> GroupAdvantages:
+    """Normalize rewards inside their group; mask the groups that carry no signal.
+
+    Args:
+        rewards: `[N]`, or `[N, K]` for K reward functions combined as `r = rewards @ reward_weights`
+            (weights default to 1). Any float dtype; computed in float32.
+        group_size: groups are contiguous blocks of this many completions (must divide N). Or:
+        group_offsets: `[num_groups + 1]` int32/int64, strictly increasing from 0 to N (like cu_seqlens):
+            group g is `rewards[offsets[g]:offsets[g+1]]`. Give exactly one of the two.
+        scale: "group": A = (r - mean_g) / (std_g + eps); "batch": the std of the whole batch instead of
+            std_g (TRL's `scale_rewards="batch"`, here over this call's batch); "none": A = r - mean_g (Dr. GRPO).
+        std: "unbiased" (divide by G - 1, as TRL and verl) or "biased" (divide by G).
+        min_std: a group with std_g <= min_std (all-0, all-1, all-equal, or a single member) is invalid:
+            its advantages are exactly 0 and `valid` is False.
+        nan: "error" raises ValueError naming the first non-finite reward; "invalid" marks its group invalid.
+        impl: "auto" (C++ for CPU tensors, Triton for CUDA), "cpp", "triton" or "reference". An explicit
+            choice never falls back: "cpp" needs CPU tensors, "triton" needs CUDA or TRITON_INTERPRET=1.
+
+    Returns:
+        GroupAdvantages(advantages [N] f32, valid [num_groups] bool, group_mean [num_groups] f32,
+        group_std [num_groups] f32, invalid_fraction [] f32). Differentiable w.r.t. rewards and weights.
+
+    Under torch.compile the value checks that need the data on the host (non-finite rewards, offsets
+    order) are skipped; shape and type checks always run.
+    """
+    if not isinstance(rewards, torch.Tensor):
+        raise ValueError(f"rewards must be a torch.Tensor, got {type(rewards)}")
+    if rewards.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"rewards must be a floating tensor (float16/bfloat16/float32/float64), got {rewards.dtype}")
+    if rewards.dim() not in (1, 2) or rewards.shape[0] == 0 or (rewards.dim() == 2 and rewards.shape[1] == 0):
+        raise ValueError(f"rewards must be [N] or [N, K] with N, K >= 1, got shape {tuple(rewards.shape)}")
+    _choice("scale", scale, ("group", "batch", "none"))
+    _choice("std", std, ("unbiased", "biased"))
+    _choice("nan", nan, ("error", "invalid"))
+    _choice("impl", impl, _IMPLS)
+    eps, min_std = _nonnegative("eps", eps), _nonnegative("min_std", min_std)
+    _check_device(impl, rewards.device)
+    n = rewards.shape[0]
+    if (group_size is None) == (group_offsets is None):
+        raise ValueError("give exactly one of group_size and group_offsets")
+    if group_size is not None:
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+        if n % group_size:
+            raise ValueError(f"group_size={group_size} does not divide the number of rewards N={n}")
+    else:
+        _check_offsets(group_offsets, n, rewards.device)
+    rewards_2d = rewards if rewards.dim() == 2 else rewards.unsqueeze(1)
+    weights = _weights(reward_weights, rewards_2d.shape[1], rewards.dim() == 1, rewards.device)
+    if nan == "error" and not torch.compiler.is_compiling() and not bool(torch.isfinite(rewards).all()):
+        raise ValueError(f"{_first_non_finite(rewards)} is not finite; pass nan='invalid' to mask its group instead")
+
+    if impl == "reference":
+        wide = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+        out = reference.group_advantages(
+            wide, group_size=group_size, group_offsets=group_offsets, scale=scale, eps=eps, std=std,
+            min_std=min_std, reward_weights=None if reward_weights is None else weights, nan=nan,
+        )  # fmt: skip
+        return GroupAdvantages(*(t if t.dtype == torch.bool else t.float() for t in out))
+
+    device = rewards.device.type
+    offsets = None if group_offsets is None else group_offsets.contiguous()
+    args = (rewards_2d, weights, offsets, group_size or 0, scale, eps, std == "unbiased", min_std)
+    if impl == "triton" and device == "cpu":
+        return GroupAdvantages(*_ops.TritonDirect.apply(*args))
+    return GroupAdvantages(*torch.ops.grpo_kernels.group_advantages(*args))

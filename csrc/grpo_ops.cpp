@@ -7,12 +7,13 @@
 //     groups, so tiny groups are batched and small inputs run inline on the calling thread.
 //   * One group is processed while its rows sit in L1: pass 1 sums r_i (and detects non-finite values),
 //     pass 2 sums (r_i - mean)^2 (two-pass variance, no E[x^2]-E[x]^2 cancellation), pass 3 writes A_i.
-//     r_i = sum_k w_k R_ik is recomputed on every pass from the input instead of being stored: no scratch
-//     memory and no per-group heap allocation.
+//     For K == 1, r_i = w_0 R_i0 is re-read from the input on each pass. For other layouts with an fp32 r_i,
+//     r_i is computed once into the group's slice of the advantages output and the passes read it there
+//     (exact: fp32 is r_i's precision). fp64 inputs recompute r_i. No per-group heap allocation.
 //   * Precision: r_i in at::opmath_type of the input (fp32 for fp16/bf16/fp32, fp64 for fp64); the
 //     per-group sums, mean, M2, std and the scale factor in fp64; outputs rounded once to fp32.
-//   * Fast path: K == 1 with unit row stride reads a raw pointer in a loop `omp simd` can vectorize.
-//     Everything else (K > 1, any strides) goes through a strided loader.
+//   * Fast path: K == 1 with unit row stride reads a raw pointer in loops `omp simd` vectorizes (SSE2 at the
+//     build's default -march). Everything else (K > 1, any strides) goes through a strided loader.
 //   * scale == "batch": pass over groups (parallel) writes the unscaled A_i = r_i - mean_g of valid groups
 //     and keeps (mean_g, M2_g) in fp64; a serial Chan combination over the non-bad groups gives S; a second
 //     parallel pass multiplies the valid groups by 1/(S + eps). Serial reduction = deterministic result.
@@ -24,11 +25,13 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <limits>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace grpo::advantages {
@@ -44,9 +47,11 @@ inline Scale parse_scale(const std::string& s) {
 }
 
 // ---- where the rewards come from: r(i) = sum_k w_k R[i, k] in opmath_t -------------------------------
+// Loaders are tiny and taken by value: with a local copy (not a reference) GCC vectorizes `omp simd` loops.
 template <typename scalar_t>
 struct ContiguousK1 {  // K == 1, R[i, 0] at p[i]
   using opmath_t = at::opmath_type<scalar_t>;
+  static constexpr bool kStash = false;
   const scalar_t* p;
   opmath_t w0;
   opmath_t operator()(int64_t i) const { return static_cast<opmath_t>(p[i]) * w0; }
@@ -55,6 +60,8 @@ struct ContiguousK1 {  // K == 1, R[i, 0] at p[i]
 template <typename scalar_t>
 struct Strided {  // any K, any strides
   using opmath_t = at::opmath_type<scalar_t>;
+  // r_i costs K strided loads: when it is an fp32 value, compute it once per group and keep it in the output.
+  static constexpr bool kStash = std::is_same_v<opmath_t, float>;
   const scalar_t* p;
   const float* w;
   int64_t k, s0, s1;
@@ -93,10 +100,11 @@ struct Outputs {
   double* batch_stats;  // [2 * num_groups] (mean_g, M2_g) for scale == "batch" (mean_g NaN: bad group), else null
 };
 
-// Statistics of one group [b, e) and its advantages, written to out. The three loops are the hot path.
+// Statistics of one group [b, e) and its advantages, written to out. The three `omp simd` loops are the hot path.
 template <typename Load>
-inline void process_group(const Load& load, int64_t g, int64_t b, int64_t e, const Params& p, const Outputs& out) {
+C10_ALWAYS_INLINE void group_kernel(const Load load, int64_t g, int64_t b, int64_t e, const Params& p, const Outputs& out) {
   constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+  float* const adv = out.adv;
   const double n = static_cast<double>(e - b);
   double sum = 0;
 #pragma omp simd reduction(+ : sum)
@@ -110,7 +118,7 @@ inline void process_group(const Load& load, int64_t g, int64_t b, int64_t e, con
     out.valid[g] = false;
     out.mean[g] = out.std[g] = static_cast<float>(kNaN);
     if (out.batch_stats) out.batch_stats[2 * g] = kNaN, out.batch_stats[2 * g + 1] = 0;
-    for (int64_t i = b; i < e; ++i) out.adv[i] = 0.f;
+    std::fill(adv + b, adv + e, 0.f);
     return;
   }
 
@@ -130,12 +138,22 @@ inline void process_group(const Load& load, int64_t g, int64_t b, int64_t e, con
   if (out.batch_stats) out.batch_stats[2 * g] = mean, out.batch_stats[2 * g + 1] = m2;
 
   if (!valid) {
-    for (int64_t i = b; i < e; ++i) out.adv[i] = 0.f;
+    std::fill(adv + b, adv + e, 0.f);
     return;
   }
   const double inv = p.scale == Scale::Group ? 1.0 / (sd + p.eps) : 1.0;  // batch: scaled later
-#pragma omp simd
-  for (int64_t i = b; i < e; ++i) out.adv[i] = static_cast<float>((static_cast<double>(load(i)) - mean) * inv);
+#pragma omp simd  // (in place when load reads the stash in adv: same index, no loop-carried dependence)
+  for (int64_t i = b; i < e; ++i) adv[i] = static_cast<float>((static_cast<double>(load(i)) - mean) * inv);
+}
+
+template <typename Load>
+C10_ALWAYS_INLINE void process_group(const Load load, int64_t g, int64_t b, int64_t e, const Params& p, const Outputs& out) {
+  if constexpr (Load::kStash) {
+    for (int64_t i = b; i < e; ++i) out.adv[i] = load(i);
+    group_kernel(ContiguousK1<float>{out.adv, 1.f}, g, b, e, p, out);
+  } else {
+    group_kernel(load, g, b, e, p, out);
+  }
 }
 
 template <typename Load, typename Groups>

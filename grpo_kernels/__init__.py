@@ -4,12 +4,14 @@ Importing the package loads the compiled extension `grpo_kernels._C` (the C++ CP
 every op in `torch.ops.grpo_kernels`.
 """
 
+import torch  # noqa: F401  (loads libtorch, which _C links against)
+
 try:
     from . import _C  # noqa: F401
 except ImportError as exc:  # a clear message instead of a later AttributeError
     raise ImportError(
         "grpo_kernels._C is not built for this torch; build it with `make build` or "
-        "`pip install --no-build-isolation -e .`"
+        f"`pip install --no-build-isolation -e .` ({exc})"
     ) from exc
 
 from . import ops, reference, theory

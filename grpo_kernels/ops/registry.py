@@ -68,6 +68,25 @@ def kernel_variants() -> list[KernelVariant]:
     return _advantages_variants()
 
 
+def uncovered_kernels() -> list[str]:
+    """Names of launched kernels (`*_kernel` jit functions in grpo_kernels.ops modules) without a variant."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import KernelInterface
+
+    from .. import ops
+
+    covered = {id(v.kernel) for v in kernel_variants()}
+    missing = []
+    for info in pkgutil.iter_modules(ops.__path__):
+        module = importlib.import_module(f"{ops.__name__}.{info.name}")
+        for attr, value in vars(module).items():
+            if isinstance(value, KernelInterface) and attr.endswith("_kernel") and id(value) not in covered:
+                missing.append(f"{module.__name__}.{attr}")
+    return missing
+
+
 def compile_hopper(variant: KernelVariant) -> dict:
     """Compile one variant for sm_90a and return its resource usage as reported by ptxas."""
     import triton

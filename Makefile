@@ -9,14 +9,15 @@ setup: build
 
 $(STAMP): pyproject.toml setup.py
 	python3 -m venv .venv
-	$(PY) -m pip install -q --upgrade pip "setuptools>=70" wheel ninja
+	$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel ninja
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q --no-build-isolation -e '.[dev]'
 	touch $@
 
 # Incremental (ninja) rebuild of grpo_kernels._C after a change in csrc/.
 build: $(STAMP)
-	$(PY) setup.py -q build_ext --inplace 2>&1 | grep -v -i "warn\|deprecat\|^\s*$$\|\*\*\*\*" || true
+	@mkdir -p build
+	@$(PY) setup.py build_ext --inplace > build/build.log 2>&1 || (cat build/build.log; exit 1)
 	$(PY) -c "import grpo_kernels._C"
 
 demo: setup
@@ -29,7 +30,7 @@ bench: setup
 	$(PY) benchmarks/bench_advantages.py
 
 lint: $(STAMP)
-	.venv/bin/ruff check grpo_kernels tests benchmarks examples setup.py
+	.venv/bin/ruff check grpo_kernels tests benchmarks setup.py
 
 clean:
 	rm -rf build grpo_kernels/*.so .venv

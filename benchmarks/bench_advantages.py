@@ -19,7 +19,9 @@ benchmarks/results/advantages_<device>.csv; speedup_vs_baseline is that provider
 import argparse
 import csv
 import datetime
+import itertools
 import math
+import os
 import platform
 import statistics
 import subprocess
@@ -109,12 +111,26 @@ def variable_offsets(n: int, g_mean: int, gen: torch.Generator) -> torch.Tensor:
     return torch.cat([torch.zeros(1, dtype=torch.int64), ends])
 
 
-def run_point(label, providers, device, min_time):
-    """Check and time every provider on one input; returns {provider: ms or None (skipped)}."""
-    ours_fn = providers.pop("ours")
+def make_point(sweep: str, n: int, g: int, device: str, gen: torch.Generator):
+    """One sweep point: (ours, {baseline: (fn, args)}, bytes an ideal kernel moves)."""
+    rewards = torch.bernoulli(torch.full((n,), 0.3), generator=gen).to(device)
+    if sweep == "uniform":
+        ours = lambda: grpo_kernels.group_advantages(rewards, group_size=g)
+        fn, args, base, num_groups, offset_bytes = trl_advantages, (rewards, g), "trl", n // g, 0
+    else:
+        offsets = variable_offsets(n, g, gen).to(device)
+        ours = lambda: grpo_kernels.group_advantages(rewards, group_offsets=offsets)
+        num_groups = offsets.numel() - 1
+        fn, args, base, offset_bytes = segment_advantages, (rewards, offsets), "segment", 8 * (num_groups + 1)
+    baselines = {f"{base}_eager": (fn, args), f"{base}_compiled": (fn, args)}
+    return ours, baselines, 8 * n + 9 * num_groups + offset_bytes
+
+
+def run_point(label: str, ours_fn, baselines: dict, device: str, min_time: float) -> dict:
+    """Check and time the baselines, then ours; returns {provider: median ms, or None if skipped}."""
     ours = ours_fn()
     timings = {}
-    for name, (fn, args) in providers.items():
+    for name, (fn, args) in baselines.items():
         if name.endswith("_compiled"):
             fn, reason = compiled(fn, args, ours)
             if fn is None:
@@ -142,11 +158,23 @@ def device_name(device: str) -> str:
 
 
 def git_sha() -> str:
+    """Short hash of the checked-out commit, or "unknown"."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
         return out.stdout.strip() or "unknown"
     except OSError:
         return "unknown"
+
+
+def append_csv(rows: list, path: Path) -> None:
+    """Append rows to the CSV at path, writing the header first if the file is new or empty."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists() or path.stat().st_size == 0
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
 
 
 def plot(rows, path: Path) -> None:
@@ -189,51 +217,37 @@ def main() -> None:
     csv_path = args.csv or ROOT / "benchmarks" / "results" / f"advantages_{dev}.csv"
     meta = {"timestamp": datetime.datetime.now().isoformat(timespec="seconds"), "device": device_name(dev),
             "torch": torch.__version__, "triton": triton.__version__, "git_sha": git_sha()}  # fmt: skip
-    print(f"{meta['device']} | torch {meta['torch']} | triton {meta['triton']} | threads {torch.get_num_threads()}")
+    load = os.getloadavg()[0]  # other busy processes make CPU timings noisy: run on an idle machine
+    print(
+        f"{meta['device']} | torch {meta['torch']} | triton {meta['triton']} | threads {torch.get_num_threads()}"
+        f" | load average {load:.1f} on {os.cpu_count()} cores"
+    )
     gen = torch.Generator().manual_seed(0)
     rows, started = [], time.perf_counter()
 
     sweeps = [
-        ("uniform", [12, 16, 20] if args.quick else [12, 14, 16, 18, 20, 22], (4, 8, 16, 64), "trl"),
-        ("variable", [16, 20] if args.quick else [16, 18, 20], (4, 16, 64), "segment"),
+        ("uniform", [12, 16, 20] if args.quick else [12, 14, 16, 18, 20, 22], (4, 8, 16, 64)),
+        ("variable", [16, 20] if args.quick else [16, 18, 20], (4, 16, 64)),
     ]
-    for sweep, log_ns, gs, base in sweeps:
+    for sweep, log_ns, gs in sweeps:
+        base = "trl" if sweep == "uniform" else "segment"
         head = f"{'N':>9} {'G' if sweep == 'uniform' else 'G_mean':>6} {base + '_eager':>16} {base + '_compiled':>16}"
         print(f"\n[{sweep}] median ms\n{head} {'ours':>9} {'vs eager':>9} {'vs compiled':>11}")
-        for log_n in log_ns:
-            for g in gs:
-                n = 2**log_n
-                rewards = torch.bernoulli(torch.full((n,), 0.3), generator=gen).to(dev)
-                if sweep == "uniform":
-                    offsets, fn, extra = None, trl_advantages, g
-                    ours = lambda r=rewards, g=g: grpo_kernels.group_advantages(r, group_size=g)
-                else:
-                    offsets = variable_offsets(n, g, gen).to(dev)
-                    fn, extra = segment_advantages, offsets
-                    ours = lambda r=rewards, o=offsets: grpo_kernels.group_advantages(r, group_offsets=o)
-                providers = {"ours": ours, f"{base}_eager": (fn, (rewards, extra)),
-                             f"{base}_compiled": (fn, (rewards, extra))}  # fmt: skip
-                t = run_point(f"{sweep} N={n} G={g}", providers, dev, min_time)
-                num_groups = n // g if offsets is None else offsets.numel() - 1
-                nbytes = 8 * n + 9 * num_groups + (0 if offsets is None else 8 * (num_groups + 1))
-                for provider, ms in t.items():
-                    if ms is None:
-                        continue
+        for n, g in itertools.product([2**k for k in log_ns], gs):
+            ours, baselines, nbytes = make_point(sweep, n, g, dev, gen)
+            t = run_point(f"{sweep} N={n} G={g}", ours, baselines, dev, min_time)
+            for provider, ms in t.items():
+                if ms is not None:
                     speedup = "" if provider == "ours" else round(ms / t["ours"], 3)
                     rows.append({**meta, "sweep": sweep, "N": n, "G": g, "provider": provider,
                                  "median_ms": round(ms, 5), "gbps": round(nbytes / ms / 1e6, 3),
                                  "speedup_vs_baseline": speedup})  # fmt: skip
-                cells = [f"{t[k]:16.3f}" if t[k] is not None else f"{'skipped':>16}" for k in list(t)[:2]]
-                ratios = [f"{t[k] / t['ours']:.2f}x" if t[k] is not None else "-" for k in list(t)[:2]]
-                print(f"{n:>9} {g:>6} {' '.join(cells)} {t['ours']:9.3f} {ratios[0]:>9} {ratios[1]:>11}", flush=True)
+            base_ms = [t[k] for k in baselines]
+            cells = " ".join(f"{ms:16.3f}" if ms is not None else f"{'skipped':>16}" for ms in base_ms)
+            ratios = [f"{ms / t['ours']:.2f}x" if ms is not None else "-" for ms in base_ms]
+            print(f"{n:>9} {g:>6} {cells} {t['ours']:9.3f} {ratios[0]:>9} {ratios[1]:>11}", flush=True)
 
-    csv_path.parent.mkdir(parents=True, exist_ok=True)
-    new = not csv_path.exists() or csv_path.stat().st_size == 0
-    with csv_path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
+    append_csv(rows, csv_path)
     print(f"\nappended {len(rows)} rows to {csv_path} ({time.perf_counter() - started:.0f} s)")
     if args.plot:
         plot(rows, csv_path.with_suffix(".png") if args.csv else csv_path.parent / f"advantages_{dev}.png")

@@ -102,7 +102,8 @@ struct Outputs {
 
 // Statistics of one group [b, e) and its advantages, written to out. The three `omp simd` loops are the hot path.
 template <typename Load>
-C10_ALWAYS_INLINE void group_kernel(const Load load, int64_t g, int64_t b, int64_t e, const Params& p, const Outputs& out) {
+C10_ALWAYS_INLINE void group_kernel(const Load load, int64_t g, int64_t b, int64_t e, const Params& p,
+                                    const Outputs& out) {
   constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
   float* const adv = out.adv;
   const double n = static_cast<double>(e - b);
@@ -142,12 +143,13 @@ C10_ALWAYS_INLINE void group_kernel(const Load load, int64_t g, int64_t b, int64
     return;
   }
   const double inv = p.scale == Scale::Group ? 1.0 / (sd + p.eps) : 1.0;  // batch: scaled later
-#pragma omp simd  // (in place when load reads the stash in adv: same index, no loop-carried dependence)
+  // In place when load reads the stash in adv: same index, so no loop-carried dependence for `omp simd`.
+#pragma omp simd
   for (int64_t i = b; i < e; ++i) adv[i] = static_cast<float>((static_cast<double>(load(i)) - mean) * inv);
 }
 
 template <typename Load>
-C10_ALWAYS_INLINE void process_group(const Load load, int64_t g, int64_t b, int64_t e, const Params& p, const Outputs& out) {
+inline void process_group(const Load load, int64_t g, int64_t b, int64_t e, const Params& p, const Outputs& out) {
   if constexpr (Load::kStash) {
     for (int64_t i = b; i < e; ++i) out.adv[i] = load(i);
     group_kernel(ContiguousK1<float>{out.adv, 1.f}, g, b, e, p, out);
@@ -176,23 +178,17 @@ void run(const Load& load, const Groups& groups, int64_t n_total, int64_t num_gr
   TORCH_CHECK(!bad_offsets.load(), "group_advantages: group_offsets must be strictly increasing within [0, N]");
 
   if (p.scale != Scale::Batch) return;
-  // S: Chan's parallel combination of (n_g, mean_g, M2_g) over the non-bad groups, serial and in fp64.
-  double count = 0, total = 0;
-  for (int64_t g = 0; g < num_groups; ++g) {
-    const double m = out.batch_stats[2 * g];
-    if (std::isnan(m)) continue;
-    const double n = static_cast<double>(groups.end(g) - groups.start(g));
-    count += n;
-    total += n * m;
-  }
+  // S: Chan's combination of (n_g, mean_g, M2_g) over the non-bad groups (mean_g not NaN), serial, in fp64.
+  auto for_good_groups = [&](auto&& f) {
+    for (int64_t g = 0; g < num_groups; ++g) {
+      const double m = out.batch_stats[2 * g];
+      if (!std::isnan(m)) f(static_cast<double>(groups.end(g) - groups.start(g)), m, out.batch_stats[2 * g + 1]);
+    }
+  };
+  double count = 0, total = 0, m2 = 0;
+  for_good_groups([&](double n, double m, double) { count += n, total += n * m; });
   const double gmean = count > 0 ? total / count : 0.0;
-  double m2 = 0;
-  for (int64_t g = 0; g < num_groups; ++g) {
-    const double m = out.batch_stats[2 * g];
-    if (std::isnan(m)) continue;
-    const double n = static_cast<double>(groups.end(g) - groups.start(g));
-    m2 += out.batch_stats[2 * g + 1] + n * (m - gmean) * (m - gmean);
-  }
+  for_good_groups([&](double n, double m, double m2_g) { m2 += m2_g + n * (m - gmean) * (m - gmean); });
   const double S = count - p.c > 0 ? std::sqrt(m2 / (count - p.c)) : 0.0;
   const float inv = static_cast<float>(1.0 / (S + p.eps));
   at::parallel_for(0, num_groups, grain, [&](int64_t g0, int64_t g1) {

@@ -1,0 +1,18 @@
+"""The README's API example runs as written and prints what it claims."""
+
+import pathlib
+import re
+
+import pytest
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_python_example_runs():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert blocks, "README has no python example"
+    scope: dict = {}
+    exec(compile(blocks[0], "README.md", "exec"), scope)
+    out = scope["out"]
+    assert out.valid.tolist() == [True, True]
+    assert out.advantages.tolist() == pytest.approx([0.7071, -0.7071, -0.7071, 0.7071], abs=1e-4)

@@ -3,22 +3,21 @@
 // group_advantages(rewards [N,K], weights [K], group_offsets | group_size, scale, eps, unbiased, min_std)
 //
 // Design
-//   * Parallel over groups with at::parallel_for (ATen's OpenMP pool). The grain is ~2048 rewards' worth of
-//     groups, so tiny groups are batched and small inputs run inline on the calling thread.
-//   * One group is processed while its rows sit in L1: pass 1 sums r_i (and detects non-finite values),
-//     pass 2 sums (r_i - mean)^2 (two-pass variance, no E[x^2]-E[x]^2 cancellation), pass 3 writes A_i.
-//     For K == 1, r_i = w_0 R_i0 is re-read from the input on each pass. For other layouts with an fp32 r_i,
-//     r_i is computed once into the group's slice of the advantages output and the passes read it there
-//     (exact: fp32 is r_i's precision). fp64 inputs recompute r_i. No per-group heap allocation.
-//   * Precision: r_i in at::opmath_type of the input (fp32 for fp16/bf16/fp32, fp64 for fp64); the
-//     per-group sums, mean, M2, std and the scale factor in fp64; outputs rounded once to fp32.
-//   * Fast path: K == 1 with unit row stride reads a raw pointer in loops `omp simd` vectorizes (SSE2 at the
-//     build's default -march). Everything else (K > 1, any strides) goes through a strided loader.
-//   * scale == "batch": pass over groups (parallel) writes the unscaled A_i = r_i - mean_g of valid groups
-//     and keeps (mean_g, M2_g) in fp64; a serial Chan combination over the non-bad groups gives S; a second
-//     parallel pass multiplies the valid groups by 1/(S + eps). Serial reduction = deterministic result.
-//   * Offsets are checked inside the parallel loop (0 <= start < end <= N) and reported afterwards, so bad
-//     offsets raise an error instead of reading out of bounds, at no extra pass over them.
+//   * Parallel over groups (at::parallel_for, ATen's OpenMP pool) with a grain of ~2048 rewards' worth of
+//     groups: tiny groups are batched and small inputs run inline on the calling thread.
+//   * Per group, in L1: pass 1 sums r_i (and detects non-finite values), pass 2 sums (r_i - mean)^2 (two-pass
+//     variance, no E[x^2]-E[x]^2 cancellation), pass 3 writes A_i. Blocks of 64 groups run passes 1-2 for all
+//     of them, then pass 3 for all: the sqrt/divide latency that ends one group's statistics then overlaps
+//     the next group's loads instead of stalling its writes.
+//   * Where r_i comes from: fp32/fp64 K == 1 with unit stride is the fast path, a raw pointer read by each pass
+//     in loops that `omp simd` vectorizes. Other inputs (fp16/bf16, any K, any strides) use a strided loader;
+//     an fp32 r_i is then computed once per block into the advantages output (exact) and re-read there.
+//   * Precision: r_i in at::opmath_type of the input (fp32, or fp64 for fp64 input); sums, mean, M2, std and
+//     scale factors in fp64; outputs rounded once to fp32 (twice for "batch").
+//   * "batch": pass 3 writes r_i - mean_g; a serial (so deterministic) Chan combination of the fp64 per-group
+//     (n, mean, M2) over non-bad groups gives S; a parallel sweep multiplies the valid groups by 1/(S + eps).
+//   * Offsets are checked inside the parallel loop (0 <= start < end <= N) and reported after it: bad offsets
+//     raise instead of reading out of bounds, without an extra pass. No per-group heap allocation.
 
 #include <torch/extension.h>
 
@@ -41,9 +40,8 @@ enum class Scale { Group, Batch, None };
 inline Scale parse_scale(const std::string& s) {
   if (s == "group") return Scale::Group;
   if (s == "batch") return Scale::Batch;
-  if (s == "none") return Scale::None;
-  TORCH_CHECK(false, "group_advantages: unknown scale '", s, "' (expected 'group', 'batch' or 'none')");
-  return Scale::Group;  // unreachable
+  TORCH_CHECK(s == "none", "group_advantages: unknown scale '", s, "' (expected 'group', 'batch' or 'none')");
+  return Scale::None;
 }
 
 // ---- where the rewards come from: r(i) = sum_k w_k R[i, k] in opmath_t -------------------------------
@@ -60,7 +58,7 @@ struct ContiguousK1 {  // K == 1, R[i, 0] at p[i]
 template <typename scalar_t>
 struct Strided {  // any K, any strides
   using opmath_t = at::opmath_type<scalar_t>;
-  // r_i costs K strided loads: when it is an fp32 value, compute it once per group and keep it in the output.
+  // r_i costs K strided loads: when it is an fp32 value, compute it once per block and keep it in the output.
   static constexpr bool kStash = std::is_same_v<opmath_t, float>;
   const scalar_t* p;
   const float* w;
@@ -70,6 +68,15 @@ struct Strided {  // any K, any strides
     opmath_t r = 0;
     for (int64_t j = 0; j < k; ++j) r += static_cast<opmath_t>(w[j]) * static_cast<opmath_t>(row[j * s1]);
     return r;
+  }
+  // r[i] = operator()(i) for i in [b, e) (same order of the sum), one column at a time: no per-row K loop.
+  void stash(int64_t b, int64_t e, opmath_t* __restrict r) const {
+    std::fill(r + b, r + e, opmath_t(0));
+    for (int64_t j = 0; j < k; ++j) {
+      const opmath_t wj = static_cast<opmath_t>(w[j]);
+      const scalar_t* __restrict col = p + j * s1;
+      for (int64_t i = b; i < e; ++i) r[i] += wj * static_cast<opmath_t>(col[i * s0]);
+    }
   }
 };
 
@@ -89,23 +96,25 @@ struct Offsets {
 
 struct Params {
   Scale scale;
-  double eps, c, min_std;
+  double eps, c, min_std;  // c: 1 for the unbiased std, 0 for the biased one
 };
 
 struct Outputs {
-  float* adv;
+  float *adv, *mean, *std;
   bool* valid;
-  float* mean;
-  float* std;
   double* batch_stats;  // [2 * num_groups] (mean_g, M2_g) for scale == "batch" (mean_g NaN: bad group), else null
 };
 
-// Statistics of one group [b, e) and its advantages, written to out. The three `omp simd` loops are the hot path.
+struct GroupStats {  // what pass 3 needs: A_i = (r_i - mean) * inv in a valid group, 0 elsewhere
+  bool valid;
+  double mean, inv;
+};
+
+// Passes 1 and 2 over group g = [b, e): writes valid/mean/std (and batch_stats) and returns what pass 3 needs.
 template <typename Load>
-C10_ALWAYS_INLINE void group_kernel(const Load load, int64_t g, int64_t b, int64_t e, const Params& p,
-                                    const Outputs& out) {
+C10_ALWAYS_INLINE GroupStats group_stats(const Load load, int64_t g, int64_t b, int64_t e, const Params& p,
+                                         const Outputs& out) {
   constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-  float* const adv = out.adv;
   const double n = static_cast<double>(e - b);
   double sum = 0;
 #pragma omp simd reduction(+ : sum)
@@ -119,8 +128,7 @@ C10_ALWAYS_INLINE void group_kernel(const Load load, int64_t g, int64_t b, int64
     out.valid[g] = false;
     out.mean[g] = out.std[g] = static_cast<float>(kNaN);
     if (out.batch_stats) out.batch_stats[2 * g] = kNaN, out.batch_stats[2 * g + 1] = 0;
-    std::fill(adv + b, adv + e, 0.f);
-    return;
+    return {false, 0.0, 0.0};
   }
 
   const double mean = sum / n;
@@ -137,24 +145,28 @@ C10_ALWAYS_INLINE void group_kernel(const Load load, int64_t g, int64_t b, int64
   out.mean[g] = static_cast<float>(mean);
   out.std[g] = static_cast<float>(sd);
   if (out.batch_stats) out.batch_stats[2 * g] = mean, out.batch_stats[2 * g + 1] = m2;
+  return {valid, mean, p.scale == Scale::Group ? 1.0 / (sd + p.eps) : 1.0};  // batch: scaled later
+}
 
-  if (!valid) {
+// Pass 3: the advantages of group [b, e). In place when load reads the stash in adv: same index, so no
+// loop-carried dependence for `omp simd`.
+template <typename Load>
+C10_ALWAYS_INLINE void write_advantages(const Load load, int64_t b, int64_t e, const GroupStats& s, float* adv) {
+  if (!s.valid) {
     std::fill(adv + b, adv + e, 0.f);
     return;
   }
-  const double inv = p.scale == Scale::Group ? 1.0 / (sd + p.eps) : 1.0;  // batch: scaled later
-  // In place when load reads the stash in adv: same index, so no loop-carried dependence for `omp simd`.
 #pragma omp simd
-  for (int64_t i = b; i < e; ++i) adv[i] = static_cast<float>((static_cast<double>(load(i)) - mean) * inv);
+  for (int64_t i = b; i < e; ++i) adv[i] = static_cast<float>((static_cast<double>(load(i)) - s.mean) * s.inv);
 }
 
+// What passes 1-3 read: the input itself, or the stash of r_i in the advantages output.
 template <typename Load>
-inline void process_group(const Load load, int64_t g, int64_t b, int64_t e, const Params& p, const Outputs& out) {
+auto reader_of(const Load& load, float* adv) {
   if constexpr (Load::kStash) {
-    for (int64_t i = b; i < e; ++i) out.adv[i] = load(i);
-    group_kernel(ContiguousK1<float>{out.adv, 1.f}, g, b, e, p, out);
+    return ContiguousK1<float>{adv, 1.f};
   } else {
-    group_kernel(load, g, b, e, p, out);
+    return load;
   }
 }
 
@@ -163,16 +175,24 @@ void run(const Load& load, const Groups& groups, int64_t n_total, int64_t num_gr
          const Outputs& out) {
   const int64_t avg = num_groups > 0 ? std::max<int64_t>(1, n_total / num_groups) : 1;
   const int64_t grain = std::max<int64_t>(1, 2048 / avg);
+  constexpr int64_t kBlock = 64;  // groups whose statistics are computed before any of their advantages
   std::atomic<bool> bad_offsets{false};
 
   at::parallel_for(0, num_groups, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t b = groups.start(g), e = groups.end(g);
-      if (b < 0 || e <= b || e > n_total) {
-        bad_offsets.store(true, std::memory_order_relaxed);
-        return;
+    const auto read = reader_of(load, out.adv);
+    GroupStats stats[kBlock];
+    for (int64_t gb = g0; gb < g1; gb += kBlock) {
+      const int64_t ge = std::min(g1, gb + kBlock);
+      for (int64_t g = gb; g < ge; ++g) {
+        const int64_t b = groups.start(g), e = groups.end(g);
+        if (b < 0 || e <= b || e > n_total) {
+          bad_offsets.store(true, std::memory_order_relaxed);
+          return;
+        }
       }
-      process_group(load, g, b, e, p, out);
+      if constexpr (Load::kStash) load.stash(groups.start(gb), groups.end(ge - 1), out.adv);
+      for (int64_t g = gb; g < ge; ++g) stats[g - gb] = group_stats(read, g, groups.start(g), groups.end(g), p, out);
+      for (int64_t g = gb; g < ge; ++g) write_advantages(read, groups.start(g), groups.end(g), stats[g - gb], out.adv);
     }
   });
   TORCH_CHECK(!bad_offsets.load(), "group_advantages: group_offsets must be strictly increasing within [0, N]");
@@ -231,6 +251,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_adv
     TORCH_CHECK(o.device().is_cpu() && o.is_contiguous() && int_type,
                 "group_advantages: group_offsets must be a contiguous int32/int64 CPU tensor");
     num_groups = o.size(0) - 1;
+    const bool i32 = o.scalar_type() == at::kInt;
+    auto at_ = [&](int64_t i) { return i32 ? int64_t{o.data_ptr<int32_t>()[i]} : o.data_ptr<int64_t>()[i]; };
+    TORCH_CHECK(at_(0) == 0 && at_(num_groups) == n_total, "group_advantages: group_offsets must run from 0 to N");
   } else {
     TORCH_CHECK(group_size > 0 && n_total % group_size == 0, "group_advantages: group_size must be > 0 and divide N");
     num_groups = n_total / group_size;
@@ -241,18 +264,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_adv
   at::Tensor adv = at::empty({n_total}, f32), mean = at::empty({num_groups}, f32), sd = at::empty({num_groups}, f32);
   at::Tensor valid = at::empty({num_groups}, rewards.options().dtype(at::kBool));
   std::vector<double> batch_stats(p.scale == ga::Scale::Batch ? 2 * num_groups : 0);
-  const ga::Outputs out{adv.data_ptr<float>(), valid.data_ptr<bool>(), mean.data_ptr<float>(), sd.data_ptr<float>(),
+  const ga::Outputs out{adv.data_ptr<float>(), mean.data_ptr<float>(), sd.data_ptr<float>(), valid.data_ptr<bool>(),
                         batch_stats.empty() ? nullptr : batch_stats.data()};
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, rewards.scalar_type(), "group_advantages", [&] {
     const scalar_t* r = rewards.data_ptr<scalar_t>();
     const float* w = weights.data_ptr<float>();
-    if (k == 1 && (rewards.stride(0) == 1 || n_total <= 1)) {
-      ga::run_with_groups(ga::ContiguousK1<scalar_t>{r, w[0]}, group_offsets, group_size, n_total, num_groups, p, out);
-    } else {
-      ga::run_with_groups(ga::Strided<scalar_t>{r, w, k, rewards.stride(0), rewards.stride(1)}, group_offsets,
-                          group_size, n_total, num_groups, p, out);
+    // fp16/bf16 take the strided path too: its stash converts each reward to fp32 once instead of per pass.
+    if constexpr (std::is_same_v<scalar_t, at::opmath_type<scalar_t>>) {
+      if (k == 1 && (rewards.stride(0) == 1 || n_total <= 1)) {
+        return ga::run_with_groups(ga::ContiguousK1<scalar_t>{r, w[0]}, group_offsets, group_size, n_total,
+                                   num_groups, p, out);
+      }
     }
+    ga::run_with_groups(ga::Strided<scalar_t>{r, w, k, rewards.stride(0), rewards.stride(1)}, group_offsets,
+                        group_size, n_total, num_groups, p, out);
   });
 
   int64_t n_invalid = 0;

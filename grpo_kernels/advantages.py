@@ -71,11 +71,6 @@ def _check_device(impl: str, device: torch.device) -> None:
         raise ValueError(f"no grpo_kernels backend for {device} tensors (CPU and CUDA only)")
 
 
-def _first_non_finite(rewards: torch.Tensor) -> str:
-    idx = (~torch.isfinite(rewards)).nonzero()[0].tolist()
-    return f"rewards[{', '.join(map(str, idx))}] = {rewards[tuple(idx)].item()}"
-
-
 def group_advantages(
     rewards: torch.Tensor,
     *,
@@ -111,7 +106,8 @@ def group_advantages(
         group_std [num_groups] f32, invalid_fraction [] f32). Differentiable w.r.t. rewards and weights.
 
     Under torch.compile the value checks that need the data on the host (non-finite rewards, offsets
-    order) are skipped; shape and type checks always run.
+    order) are skipped; shape and type checks always run. With nan="error" the kernel runs first and flags
+    the groups with a non-finite reward; the error is raised from its result (no extra pass over rewards).
     """
     if not isinstance(rewards, torch.Tensor):
         raise ValueError(f"rewards must be a torch.Tensor, got {type(rewards)}")
@@ -137,20 +133,43 @@ def group_advantages(
         _check_offsets(group_offsets, n, rewards.device)
     rewards_2d = rewards if rewards.dim() == 2 else rewards.unsqueeze(1)
     weights = _weights(reward_weights, rewards_2d.shape[1], rewards.dim() == 1, rewards.device)
-    if nan == "error" and not torch.compiler.is_compiling() and not bool(torch.isfinite(rewards).all()):
-        raise ValueError(f"{_first_non_finite(rewards)} is not finite; pass nan='invalid' to mask its group instead")
+    out = _dispatch(impl, rewards, rewards_2d, weights, group_size, group_offsets, scale, eps, std, min_std)
+    if nan == "error" and not torch.compiler.is_compiling():
+        _raise_on_non_finite(rewards, out.group_mean, group_size, group_offsets)
+    return out
 
+
+def _dispatch(impl, rewards, rewards_2d, weights, group_size, group_offsets, scale, eps, std, min_std):
+    """Run one backend with nan='invalid' semantics (a non-finite reward makes its group's mean NaN)."""
     if impl == "reference":
-        wide = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+        wide = rewards_2d.to(torch.promote_types(rewards.dtype, torch.float32))
         out = reference.group_advantages(
             wide, group_size=group_size, group_offsets=group_offsets, scale=scale, eps=eps, std=std,
-            min_std=min_std, reward_weights=None if reward_weights is None else weights, nan=nan,
+            min_std=min_std, reward_weights=weights, nan="invalid",
         )  # fmt: skip
         return GroupAdvantages(*(t if t.dtype == torch.bool else t.float() for t in out))
-
-    device = rewards.device.type
     offsets = None if group_offsets is None else group_offsets.contiguous()
     args = (rewards_2d, weights, offsets, group_size or 0, scale, eps, std == "unbiased", min_std)
-    if impl == "triton" and device == "cpu":
+    if impl == "triton" and rewards.device.type == "cpu":
         return GroupAdvantages(*_ops.TritonDirect.apply(*args))
     return GroupAdvantages(*torch.ops.grpo_kernels.group_advantages(*args))
+
+
+def _raise_on_non_finite(rewards, group_mean, group_size, group_offsets) -> None:
+    """nan='error': the kernels already flag groups holding a non-finite reward (their mean is NaN), so the
+    check costs O(num_groups) instead of a separate pass over the rewards. Raises naming the first bad index."""
+    bad = torch.isnan(group_mean)
+    if not bool(bad.any()):
+        return
+    g = int(bad.nonzero()[0])
+    start = g * group_size if group_offsets is None else int(group_offsets[g])
+    end = start + group_size if group_offsets is None else int(group_offsets[g + 1])
+    rows = rewards[start:end]
+    if bool(torch.isfinite(rows).all()):
+        raise ValueError(f"the weighted reward of a row in rows {start}..{end - 1} overflows to a non-finite value")
+    idx = (~torch.isfinite(rows)).nonzero()[0].tolist()
+    idx[0] += start
+    raise ValueError(
+        f"rewards[{', '.join(map(str, idx))}] = {rewards[tuple(idx)].item()} is not finite; "
+        "pass nan='invalid' to mask its group instead"
+    )

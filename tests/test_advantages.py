@@ -142,11 +142,24 @@ def test_non_finite_rewards_invalidate_their_group(impl, triton_device, bad):
         assert bool(torch.isnan(out.group_mean[[1, 5]]).all()) and bool(torch.isfinite(out.advantages).all())
 
 
-def test_nan_error_names_the_first_bad_index():
+@pytest.mark.parametrize("impl", [*IMPLS, "reference"])
+def test_nan_error_names_the_first_bad_index(impl, triton_device):
+    dev = device_for(impl, triton_device)
     rewards = torch.randn(16, 2)
     rewards[5, 1] = float("nan")
     rewards[9, 0] = float("inf")
-    with pytest.raises(ValueError, match=r"rewards\[5, 1\] = nan"):
+    with pytest.raises(ValueError, match=r"rewards\[5, 1\] = nan is not finite"):
+        grpo_kernels.group_advantages(rewards.to(dev), group_size=4, impl=impl)
+    flat = torch.randn(20)
+    flat[13] = float("-inf")
+    offsets = random_offsets([3, 9, 8]).to(dev)
+    with pytest.raises(ValueError, match=r"rewards\[13\] = -inf is not finite"):
+        grpo_kernels.group_advantages(flat.to(dev), group_offsets=offsets, impl=impl)
+
+
+def test_nan_error_reports_an_overflowing_weighted_sum():
+    rewards = torch.full((8, 2), 3e38)
+    with pytest.raises(ValueError, match=r"rows 0..3 overflows"):
         grpo_kernels.group_advantages(rewards, group_size=4)
 
 

@@ -82,8 +82,8 @@ def test_binary_rewards_mask_all_equal_groups_exactly(impl, triton_device, g):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_all_equal_non_binary_groups_are_invalid(impl, triton_device):
-    values = torch.tensor([0.3, -7.1, 1e3, 0.1])
-    rewards = values.repeat_interleave(9)  # four groups of 9 equal values: rounding must not make them valid
+    values = torch.tensor([0.3, -7.1, 1e3, 0.1, 1e4 / 3, 3e5 + 0.1, -7.7e6, 1e30])
+    rewards = values.repeat_interleave(9)  # groups of 9 equal values: rounding must not make them valid
     out, _ = check_against_reference(impl, device_for(impl, triton_device), rewards, group_size=9)
     assert not bool(out.valid.any()) and bool((out.advantages == 0).all())
 

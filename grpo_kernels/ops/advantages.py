@@ -5,7 +5,8 @@ so one program per group would leave most lanes idle. Each program takes BLOCK_G
 [BLOCK_G, BLOCK_M] tile (~1K elements and 4 warps: no register spills on sm_90). Groups are contiguous
 blocks of `group_size`, or segments read from `group_offsets` (cu_seqlens-style) when sizes vary. A group
 longer than BLOCK_M is walked in chunks whose (count, mean, M2) are merged with Chan's parallel formula,
-so the variance is always two-pass accurate and any group size works. The second walk writes the
+so the variance is always two-pass accurate and any group size works; values are shifted by the group's
+first reward, so an all-equal group has exactly zero variance whatever its magnitude. The second walk writes the
 advantages. Everything is accumulated in fp32; K reward columns are combined with their weights on load,
 so the [N] combined reward never hits memory.
 
@@ -59,7 +60,10 @@ def _group_advantages_kernel(
     n = end - start
     cols = tl.arange(0, BLOCK_M)
 
-    # Walk 1: per-group count, mean, M2 (chunks merged with Chan's formula) and the non-finite count.
+    # Walk 1: per-group count, mean, M2 (chunks merged with Chan's formula) and the non-finite count, of the
+    # rewards shifted by the group's first one: an all-equal group then has exactly zero variance at any scale.
+    shift = _combined_rewards(r_ptr, start, g_mask, stride_n, stride_k, w_ptr, K)
+    shift = tl.where((shift == shift) & (tl.abs(shift) < float("inf")), shift, 0.0)
     cnt = tl.zeros((BLOCK_G,), dtype=tl.float32)
     mean = tl.zeros((BLOCK_G,), dtype=tl.float32)
     m2 = tl.zeros((BLOCK_G,), dtype=tl.float32)
@@ -69,7 +73,7 @@ def _group_advantages_kernel(
         x = _combined_rewards(r_ptr, start[:, None] + m0 + cols[None, :], in_group, stride_n, stride_k, w_ptr, K)
         finite = (x == x) & (tl.abs(x) < float("inf"))
         nbad += tl.sum((in_group & ~finite).to(tl.float32), axis=1)
-        x = tl.where(in_group & finite, x, 0.0)
+        x = tl.where(in_group & finite, x - shift[:, None], 0.0)
         cnt_c = tl.sum(in_group.to(tl.float32), axis=1)
         mean_c = tl.sum(x, axis=1) / tl.maximum(cnt_c, 1.0)
         dev = tl.where(in_group, x - mean_c[:, None], 0.0)
@@ -84,7 +88,7 @@ def _group_advantages_kernel(
     std = tl.sqrt(tl.where(dof > 0, m2 / tl.maximum(dof, 1.0), 0.0))
     bad = nbad > 0
     valid = (~bad) & (std > min_std)
-    tl.store(mean_ptr + g, tl.where(bad, float("nan"), mean), mask=g_mask)
+    tl.store(mean_ptr + g, tl.where(bad, float("nan"), mean + shift), mask=g_mask)
     tl.store(std_ptr + g, tl.where(bad, float("nan"), std), mask=g_mask)
     tl.store(valid_ptr + g, valid, mask=g_mask)
 
@@ -94,7 +98,7 @@ def _group_advantages_kernel(
         in_group = (m0 + cols)[None, :] < n[:, None]
         rows = start[:, None] + m0 + cols[None, :]
         x = _combined_rewards(r_ptr, rows, in_group, stride_n, stride_k, w_ptr, K)
-        a = tl.where(valid[:, None], (x - mean[:, None]) * factor[:, None], 0.0)
+        a = tl.where(valid[:, None], ((x - shift[:, None]) - mean[:, None]) * factor[:, None], 0.0)
         tl.store(adv_ptr + rows, a, mask=in_group)
 
 

@@ -16,6 +16,19 @@
 //     scale factors in fp64; outputs rounded once to fp32 (twice for "batch").
 //   * "batch": pass 3 writes r_i - mean_g; a serial (so deterministic) Chan combination of the fp64 per-group
 //     (n, mean, M2) over non-bad groups gives S; a parallel sweep multiplies the valid groups by 1/(S + eps).
+//   * AVX-512 path (fp32 K == 1 contiguous rewards, uniform or offset groups; picked at run time with
+//     __builtin_cpu_supports, the functions carry __attribute__((target)), so no global -m flags and the code
+//     above stays the path for other CPUs and inputs): vectorized ACROSS groups, 8 groups per batch, one fp64
+//     lane each. Group l's rewards are read as "octets" of 8 (masked loads: nothing past its end is touched);
+//     all groups of a batch walk max_l ceil(n_l / 8) octets (1, 2, 4 compile-time, else a run-time count), so
+//     no loop exit depends on one group's size. One pass: d_i = r_i - r_first (exact in fp64), S1 = sum d,
+//     S2 = sum d^2 per lane; a transpose-and-add tree turns 8 lane vectors into one vector of 8 sums; then
+//     mean = r_first + S1/n, M2 = S2 - S1^2/n (an all-equal group has d = 0: M2 = 0, std = 0 exactly), dof,
+//     sqrt, valid and 1/(std + eps) for 8 groups at once. Statistics of a block of 8 batches are computed
+//     before any of their advantages (A = r * inv - mean * inv by an fma, masked stores), so the div/sqrt
+//     latency overlaps the next batches' loads. Batches are fixed (groups 8i..8i+7) and parallel_for splits
+//     batches, so the result does not depend on the thread count; a batch with a group over 128 rewards or bad
+//     offsets runs through the per-group path below (which reports the bad offsets).
 //   * Offsets are checked inside the parallel loop (0 <= start < end <= N) and reported after it: bad offsets
 //     raise instead of reading out of bounds, without an extra pass. No per-group heap allocation.
 
@@ -32,6 +45,10 @@
 #include <tuple>
 #include <type_traits>
 #include <vector>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#endif
 
 namespace grpo::advantages {
 
@@ -170,6 +187,187 @@ auto reader_of(const Load& load, float* adv) {
   }
 }
 
+// ---- AVX-512 path: fp32 K == 1 contiguous rewards, groups of up to 128, 8 groups at a time ----------------
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define GRPO_HAVE_AVX512_PATH 1
+#define GRPO_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,bmi,bmi2")))
+
+namespace avx512 {
+
+constexpr int64_t kLanes = 8;      // groups per batch: one fp64 lane each
+constexpr int64_t kMaxSize = 128;  // larger groups go to the per-group path
+constexpr int64_t kBlock = 8;      // batches whose statistics are computed before any of their advantages
+
+// Off by set_cpu_simd(False), so tests can run the portable path on machines that have AVX-512.
+inline std::atomic<bool> enabled{true};
+
+inline bool supported() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+                         __builtin_cpu_supports("bmi2");
+  return ok && enabled.load(std::memory_order_relaxed);
+}
+
+// Lane l of the result: the sum of the 8 lanes of v[l] (a transpose-and-add tree: 7 adds, 14 shuffles).
+GRPO_AVX512 inline __m512d hsum8(const __m512d v[8]) {
+  __m512d t[4], u[2];
+  for (int i = 0; i < 4; ++i)  // 128-bit chunk c of t[i]: (partial of v[2i], partial of v[2i+1])
+    t[i] = _mm512_add_pd(_mm512_unpacklo_pd(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_pd(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)  // chunks of u[i]: groups (4i, 4i+1) twice, then (4i+2, 4i+3) twice
+    u[i] = _mm512_add_pd(_mm512_shuffle_f64x2(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f64x2(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_pd(_mm512_shuffle_f64x2(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f64x2(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Mask of the rewards of octet o (rewards 8 o .. 8 o + 7) of a group of n (1 <= n <= 8 H).
+template <int64_t H>
+GRPO_AVX512 inline __mmask8 octet_mask(int64_t n, int64_t o) {
+  if constexpr (H == 1) return static_cast<__mmask8>(_bzhi_u32(0xFFu, static_cast<unsigned>(n)));
+  const int64_t rem = std::min<int64_t>(std::max<int64_t>(n - 8 * o, 0), 8);
+  return static_cast<__mmask8>(_bzhi_u32(0xFFu, static_cast<unsigned>(rem)));
+}
+
+// r_i of an octet in fp64; the masked-out ones read as 0 and are never loaded (no fault past the end).
+// kW: the weight w0 is not 1 (with w0 == 1 the multiply is skipped: same r_i).
+template <bool kW>
+GRPO_AVX512 inline __m512d load_octet(const float* x, __mmask8 m, __m256 w0) {
+  const __m256 v = _mm256_maskz_loadu_ps(m, x);
+  return _mm512_cvtps_pd(kW ? _mm256_mul_ps(v, w0) : v);
+}
+
+struct Batch {  // groups g .. g + 7 (lanes past num_groups: n = 0) and what their advantages need
+  alignas(64) int64_t b[kLanes], n[kLanes];
+  alignas(64) double s[kLanes], c[kLanes];  // A_i = r_i * s + c  (s = inv, c = -mean * inv)
+  int64_t g, count, octets;
+  __mmask8 lanes, valid;
+};
+
+// Statistics of one batch whose groups all fit in H octets (H == 0: bt.octets, known at run time), one pass:
+// d_i = r_i - r_first (exact in fp64), S1 = sum d_i, S2 = sum d_i^2, mean = r_first + S1 / n,
+// M2 = S2 - S1^2 / n. An all-equal group has d_i = 0 exactly, so M2 = 0 and mean = r_first exactly.
+template <int64_t H, bool kW>
+GRPO_AVX512 inline void batch_stats(const float* r, __m256 w0, Batch& bt, const __m512i b, const Params& p,
+                                    const Outputs& out) {
+  const int64_t octets = H > 0 ? H : bt.octets;
+  const __m512d zero = _mm512_setzero_pd(), nan = _mm512_set1_pd(std::numeric_limits<double>::quiet_NaN());
+  __m512d a1[kLanes], a2[kLanes];
+  for (int64_t l = 0; l < kLanes; ++l) {
+    const float* x = r + bt.b[l];
+    const __mmask8 k0 = octet_mask<H>(bt.n[l], 0);
+    const __m512d v0 = load_octet<kW>(x, k0, w0);
+    const __m512d first = _mm512_broadcastsd_pd(_mm512_castpd512_pd128(v0));
+    const __m512d d0 = _mm512_maskz_sub_pd(k0, v0, first);
+    a1[l] = d0;
+    a2[l] = _mm512_mul_pd(d0, d0);
+    for (int64_t o = 1; o < octets; ++o) {
+      const __mmask8 k = octet_mask<H>(bt.n[l], o);
+      const __m512d d = _mm512_maskz_sub_pd(k, load_octet<kW>(x + 8 * o, k, w0), first);
+      a1[l] = _mm512_add_pd(a1[l], d);
+      a2[l] = _mm512_fmadd_pd(d, d, a2[l]);
+    }
+  }
+  const __m512d s1 = hsum8(a1), s2 = hsum8(a2);
+  const __m512d nd = _mm512_cvtepi64_pd(_mm512_load_si512(bt.n));
+  const __m512d first = _mm512_cvtps_pd(
+      _mm256_mul_ps(_mm512_mask_i64gather_ps(_mm256_setzero_ps(), bt.lanes, b, r, 4), w0));
+  const __mmask8 finite = _mm512_cmp_pd_mask(_mm512_sub_pd(s1, s1), zero, _CMP_EQ_OQ) & bt.lanes;
+  const __m512d md = _mm512_maskz_div_pd(bt.lanes, s1, nd);
+  const __m512d mean = _mm512_add_pd(first, md);
+  const __m512d m2 = _mm512_max_pd(_mm512_fnmadd_pd(s1, md, s2), zero);
+  const __m512d dof = _mm512_sub_pd(nd, _mm512_set1_pd(p.c));
+  const __mmask8 pos = _mm512_cmp_pd_mask(dof, zero, _CMP_GT_OQ) & bt.lanes;
+  const __m512d sd = _mm512_maskz_sqrt_pd(pos, _mm512_maskz_div_pd(pos, m2, dof));
+  bt.valid = _mm512_cmp_pd_mask(sd, _mm512_set1_pd(p.min_std), _CMP_GT_OQ) & finite;
+  const __m512d inv = p.scale == Scale::Group
+                          ? _mm512_div_pd(_mm512_set1_pd(1.0), _mm512_add_pd(sd, _mm512_set1_pd(p.eps)))
+                          : _mm512_set1_pd(1.0);
+  _mm512_store_pd(bt.s, inv);
+  _mm512_store_pd(bt.c, _mm512_mul_pd(_mm512_sub_pd(zero, mean), inv));
+  _mm256_mask_storeu_ps(out.mean + bt.g, bt.lanes, _mm512_cvtpd_ps(_mm512_mask_blend_pd(finite, nan, mean)));
+  _mm256_mask_storeu_ps(out.std + bt.g, bt.lanes, _mm512_cvtpd_ps(_mm512_mask_blend_pd(finite, nan, sd)));
+  _mm_mask_storeu_epi8(out.valid + bt.g, bt.lanes, _mm_maskz_mov_epi8(bt.valid, _mm_set1_epi8(1)));
+  if (out.batch_stats) {  // (mean_g, M2_g) interleaved; (NaN, 0) for a group with a non-finite reward
+    alignas(64) double ms[kLanes], m2s[kLanes];
+    _mm512_store_pd(ms, _mm512_mask_blend_pd(finite, nan, mean));
+    _mm512_store_pd(m2s, _mm512_maskz_mov_pd(finite, m2));
+    for (int64_t l = 0; l < bt.count; ++l)
+      out.batch_stats[2 * (bt.g + l)] = ms[l], out.batch_stats[2 * (bt.g + l) + 1] = m2s[l];
+  }
+}
+
+// Advantages of one batch: A_i = r_i * s + c in a valid group, +0 in the others (also where r_i is not finite).
+template <int64_t H, bool kW>
+GRPO_AVX512 inline void batch_write(const float* r, __m256 w0, const Batch& bt, float* adv) {
+  const int64_t octets = H > 0 ? H : bt.octets;
+  for (int64_t l = 0; l < kLanes; ++l) {
+    const __m512d s = _mm512_set1_pd(bt.s[l]), c = _mm512_set1_pd(bt.c[l]);
+    const __mmask8 v = static_cast<__mmask8>(0u - ((bt.valid >> l) & 1u));
+    for (int64_t o = 0; o < octets; ++o) {
+      const __mmask8 k = octet_mask<H>(bt.n[l], o);
+      const __m512d x = load_octet<kW>(r + bt.b[l] + 8 * o, k, w0);
+      _mm256_mask_storeu_ps(adv + bt.b[l] + 8 * o, k, _mm512_cvtpd_ps(_mm512_maskz_fmadd_pd(v, x, s, c)));
+    }
+  }
+}
+
+// Batches [i0, i1) of groups [8 i, 8 i + 8) (cut at num_groups). Returns the first batch it cannot run (bad
+// offsets or a group over kMaxSize: the caller runs that one per group, then calls again) or i1.
+template <bool kW, typename Groups>
+GRPO_AVX512 int64_t run_batches(const float* r, float w0f, const Groups& groups, int64_t n_total,
+                                int64_t num_groups, int64_t i0, int64_t i1, const Params& p, const Outputs& out) {
+  const __m256 w0 = _mm256_set1_ps(w0f);
+  const __m512i iota = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
+  Batch block[kBlock];
+  for (int64_t ib = i0; ib < i1; ib += kBlock) {
+    const int64_t ie = std::min(i1, ib + kBlock);
+    int64_t i = ib;
+    for (; i < ie; ++i) {
+      Batch& bt = block[i - ib];
+      bt.g = i * kLanes;
+      bt.count = std::min(kLanes, num_groups - bt.g);
+      bt.lanes = static_cast<__mmask8>(_bzhi_u32(0xFFu, static_cast<unsigned>(bt.count)));
+      __m512i b, e;
+      if constexpr (std::is_same_v<Groups, Uniform>) {
+        const __m512i size = _mm512_set1_epi64(groups.size);
+        b = _mm512_maskz_add_epi64(bt.lanes, _mm512_set1_epi64(bt.g * groups.size), _mm512_mullo_epi64(iota, size));
+        e = _mm512_add_epi64(b, size);
+      } else if constexpr (std::is_same_v<Groups, Offsets<int64_t>>) {
+        b = _mm512_maskz_loadu_epi64(bt.lanes, groups.o + bt.g);
+        e = _mm512_maskz_loadu_epi64(bt.lanes, groups.o + bt.g + 1);
+      } else {
+        b = _mm512_cvtepi32_epi64(_mm256_maskz_loadu_epi32(bt.lanes, groups.o + bt.g));
+        e = _mm512_cvtepi32_epi64(_mm256_maskz_loadu_epi32(bt.lanes, groups.o + bt.g + 1));
+      }
+      const __m512i n = _mm512_maskz_sub_epi64(bt.lanes, e, b);
+      const __mmask8 ok = _mm512_cmpge_epi64_mask(b, _mm512_setzero_si512()) &
+                          _mm512_cmpgt_epi64_mask(n, _mm512_setzero_si512()) &
+                          _mm512_cmple_epi64_mask(e, _mm512_set1_epi64(n_total)) &
+                          _mm512_cmple_epi64_mask(n, _mm512_set1_epi64(kMaxSize));
+      if ((ok & bt.lanes) != bt.lanes) break;
+      _mm512_store_si512(bt.b, b);
+      _mm512_store_si512(bt.n, n);
+      bt.octets = (_mm512_reduce_max_epi64(n) + 7) >> 3;
+      if (bt.octets == 1) batch_stats<1, kW>(r, w0, bt, b, p, out);
+      else if (bt.octets == 2) batch_stats<2, kW>(r, w0, bt, b, p, out);
+      else if (bt.octets <= 4) bt.octets = 4, batch_stats<4, kW>(r, w0, bt, b, p, out);
+      else batch_stats<0, kW>(r, w0, bt, b, p, out);
+    }
+    for (int64_t j = ib; j < i; ++j) {
+      const Batch& bt = block[j - ib];
+      if (bt.octets == 1) batch_write<1, kW>(r, w0, bt, out.adv);
+      else if (bt.octets == 2) batch_write<2, kW>(r, w0, bt, out.adv);
+      else if (bt.octets == 4) batch_write<4, kW>(r, w0, bt, out.adv);
+      else batch_write<0, kW>(r, w0, bt, out.adv);
+    }
+    if (i < ie) return i;
+  }
+  return i1;
+}
+
+}  // namespace avx512
+#endif
+
 template <typename Load, typename Groups>
 void run(const Load& load, const Groups& groups, int64_t n_total, int64_t num_groups, const Params& p,
          const Outputs& out) {
@@ -178,7 +376,7 @@ void run(const Load& load, const Groups& groups, int64_t n_total, int64_t num_gr
   constexpr int64_t kBlock = 64;  // groups whose statistics are computed before any of their advantages
   std::atomic<bool> bad_offsets{false};
 
-  at::parallel_for(0, num_groups, grain, [&](int64_t g0, int64_t g1) {
+  auto per_group = [&](int64_t g0, int64_t g1) {
     const auto read = reader_of(load, out.adv);
     GroupStats stats[kBlock];
     for (int64_t gb = g0; gb < g1; gb += kBlock) {
@@ -194,7 +392,27 @@ void run(const Load& load, const Groups& groups, int64_t n_total, int64_t num_gr
       for (int64_t g = gb; g < ge; ++g) stats[g - gb] = group_stats(read, g, groups.start(g), groups.end(g), p, out);
       for (int64_t g = gb; g < ge; ++g) write_advantages(read, groups.start(g), groups.end(g), stats[g - gb], out.adv);
     }
-  });
+  };
+  bool done = false;
+#ifdef GRPO_HAVE_AVX512_PATH
+  if constexpr (std::is_same_v<Load, ContiguousK1<float>>) {
+    bool fits = true;
+    if constexpr (std::is_same_v<Groups, Uniform>) fits = groups.size <= avx512::kMaxSize;
+    if (fits && avx512::supported()) {
+      // Batches of 8 groups at fixed global positions: the result does not depend on the thread count.
+      const int64_t num_batches = (num_groups + avx512::kLanes - 1) / avx512::kLanes;
+      at::parallel_for(0, num_batches, std::max<int64_t>(1, grain / avx512::kLanes), [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+          i = load.w0 == 1.f ? avx512::run_batches<false>(load.p, load.w0, groups, n_total, num_groups, i, i1, p, out)
+                             : avx512::run_batches<true>(load.p, load.w0, groups, n_total, num_groups, i, i1, p, out);
+          if (i < i1) per_group(i * avx512::kLanes, std::min(num_groups, (i + 1) * avx512::kLanes));
+        }
+      });
+      done = true;
+    }
+  }
+#endif
+  if (!done) at::parallel_for(0, num_groups, grain, per_group);
   TORCH_CHECK(!bad_offsets.load(), "group_advantages: group_offsets must be strictly increasing within [0, N]");
 
   if (p.scale != Scale::Batch) return;
@@ -297,4 +515,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "group_std [G] f32, invalid_fraction [] f32). Spec: grpo_kernels.reference.group_advantages.",
         py::arg("rewards"), py::arg("weights"), py::arg("group_offsets"), py::arg("group_size"), py::arg("scale"),
         py::arg("eps"), py::arg("unbiased"), py::arg("min_std"), py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "set_cpu_simd", [](bool on) { grpo::advantages::avx512::enabled.store(on); },
+      "Allow (default) or forbid the AVX-512 paths; returns nothing. For testing the portable code.", py::arg("on"));
+  m.def(
+      "cpu_simd", [] { return grpo::advantages::avx512::supported(); },
+      "True when the AVX-512 paths run: the CPU has them and set_cpu_simd did not turn them off.");
 }

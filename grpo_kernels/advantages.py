@@ -26,7 +26,7 @@ def _nonnegative(name: str, value) -> float:
     return float(value)
 
 
-def _check_offsets(group_offsets: torch.Tensor, n: int, device: torch.device) -> None:
+def _check_offsets(group_offsets: torch.Tensor, n: int, device: torch.device, *, values: bool = True) -> None:
     if not isinstance(group_offsets, torch.Tensor) or group_offsets.dtype not in (torch.int32, torch.int64):
         raise ValueError("group_offsets must be an int32 or int64 tensor")
     if group_offsets.dim() != 1 or group_offsets.shape[0] < 2:
@@ -34,7 +34,7 @@ def _check_offsets(group_offsets: torch.Tensor, n: int, device: torch.device) ->
         raise ValueError(f"group_offsets must be 1-D with num_groups + 1 >= 2 entries, got {shape}")
     if group_offsets.device != device:
         raise ValueError(f"group_offsets is on {group_offsets.device} but rewards are on {device}")
-    if torch.compiler.is_compiling():
+    if not values or torch.compiler.is_compiling():
         return
     offsets = group_offsets.cpu()
     if offsets[0] != 0 or offsets[-1] != n:
@@ -130,10 +130,18 @@ def group_advantages(
         if n % group_size:
             raise ValueError(f"group_size={group_size} does not divide the number of rewards N={n}")
     else:
-        _check_offsets(group_offsets, n, rewards.device)
+        # The C++ kernel checks the offsets' values in its own loop (no extra pass); the detailed error comes
+        # from the Python check, run only when the kernel refuses them.
+        kernel_checks = impl in ("auto", "cpp") and rewards.device.type == "cpu"
+        _check_offsets(group_offsets, n, rewards.device, values=not kernel_checks)
     rewards_2d = rewards if rewards.dim() == 2 else rewards.unsqueeze(1)
     weights = _weights(reward_weights, rewards_2d.shape[1], rewards.dim() == 1, rewards.device)
-    out = _dispatch(impl, rewards, rewards_2d, weights, group_size, group_offsets, scale, eps, std, min_std)
+    try:
+        out = _dispatch(impl, rewards, rewards_2d, weights, group_size, group_offsets, scale, eps, std, min_std)
+    except RuntimeError as exc:
+        if group_offsets is not None and "group_offsets" in str(exc):
+            _check_offsets(group_offsets, n, rewards.device)  # raises the ValueError that names the group
+        raise
     if nan == "error" and not torch.compiler.is_compiling():
         _raise_on_non_finite(rewards, out.group_mean, group_size, group_offsets)
     return out

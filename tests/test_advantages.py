@@ -1,5 +1,7 @@
 """group_advantages: every backend against the fp64 reference, forward and backward, plus the op contract."""
 
+import contextlib
+
 import pytest
 import torch
 from helpers import assert_close, assert_lowp_no_worse
@@ -8,11 +10,27 @@ import grpo_kernels
 from grpo_kernels import reference
 from grpo_kernels.ops import advantages as ops
 
-IMPLS = ["cpp", "triton"]
+# "cpp-portable" is the C++ backend with its AVX-512 paths switched off (the code other CPUs run).
+IMPLS = ["cpp", "cpp-portable", "triton"]
 
 
 def device_for(impl: str, triton_device: str) -> str:
     return triton_device if impl == "triton" else "cpu"
+
+
+@contextlib.contextmanager
+def cpu_simd(on: bool):
+    grpo_kernels._C.set_cpu_simd(on)
+    try:
+        yield
+    finally:
+        grpo_kernels._C.set_cpu_simd(True)
+
+
+def advantages(rewards, impl: str, **kw):
+    """grpo_kernels.group_advantages with impl, where "cpp-portable" runs C++ without AVX-512."""
+    with cpu_simd(impl != "cpp-portable"):
+        return grpo_kernels.group_advantages(rewards, impl="cpp" if impl == "cpp-portable" else impl, **kw)
 
 
 def random_offsets(sizes, dtype=torch.int64):
@@ -35,7 +53,7 @@ def check_against_reference(impl, device, rewards, **kw):
     offsets = kw.get("group_offsets")
     if offsets is not None:
         kw["group_offsets"] = offsets.to(device)
-    out = grpo_kernels.group_advantages(rewards.to(device), impl=impl, **kw)
+    out = advantages(rewards.to(device), impl, **kw)
     ref = oracle(rewards, **kw)
     for field in ref._fields:
         assert_close(getattr(out, field), getattr(ref, field), name=f"{impl} {field}")
@@ -149,12 +167,12 @@ def test_nan_error_names_the_first_bad_index(impl, triton_device):
     rewards[5, 1] = float("nan")
     rewards[9, 0] = float("inf")
     with pytest.raises(ValueError, match=r"rewards\[5, 1\] = nan is not finite"):
-        grpo_kernels.group_advantages(rewards.to(dev), group_size=4, impl=impl)
+        advantages(rewards.to(dev), impl, group_size=4)
     flat = torch.randn(20)
     flat[13] = float("-inf")
     offsets = random_offsets([3, 9, 8]).to(dev)
     with pytest.raises(ValueError, match=r"rewards\[13\] = -inf is not finite"):
-        grpo_kernels.group_advantages(flat.to(dev), group_offsets=offsets, impl=impl)
+        advantages(flat.to(dev), impl, group_offsets=offsets)
 
 
 def test_nan_error_reports_an_overflowing_weighted_sum():
@@ -220,7 +238,7 @@ def test_gradients_match_reference(impl, triton_device, scale, std):
     ref_gr = torch.where(torch.isfinite(ref_gr), ref_gr, 0.0)
 
     r, w = rewards.to(dev).requires_grad_(), weights.to(dev).requires_grad_()
-    out = grpo_kernels.group_advantages(r, reward_weights=w, impl=impl, **{**kw, "group_offsets": offsets.to(dev)})
+    out = advantages(r, impl, reward_weights=w, **{**kw, "group_offsets": offsets.to(dev)})
     good_d = good.to(dev)
     loss = (
         (out.advantages * g_adv.to(dev)).sum()
@@ -342,3 +360,14 @@ def test_block_shape_covers_typical_group_and_caps_tile():
     assert ops._block_shape(4096, 1024, 4, False) == (256, 4)
     assert ops._block_shape(5000, 10, 0, True) == (2, 512)
     assert ops._block_shape(10**6, 2, 0, True) == (1, ops.MAX_BLOCK_M)
+
+
+@pytest.mark.parametrize("impl", [*IMPLS, "reference"])
+@pytest.mark.parametrize(
+    "offsets,match",
+    [([0, 5, 5, 16], r"group 1 is \[5, 5\)"), ([0, 9, 4, 16], "group 1 is"), ([0, 3, 20], "end at N=16")],
+)
+def test_bad_offset_values_raise_value_error_for_every_backend(impl, triton_device, offsets, match):
+    dev = device_for(impl, triton_device)
+    with pytest.raises(ValueError, match=match):
+        advantages(torch.randn(16, device=dev), impl, group_offsets=torch.tensor(offsets, device=dev))

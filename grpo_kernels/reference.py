@@ -101,3 +101,150 @@ def group_advantages(
         group_std=torch.where(bad, nan_g, s),
         invalid_fraction=1.0 - valid.to(r0.dtype).mean(),
     )
+
+
+# ------------------------------------------------------------------------------------- log-probs and loss
+def selective_logprobs(
+    logits: torch.Tensor, ids: torch.Tensor, *, temperature: float = 1.0, return_entropy: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of the chosen token, and optionally the entropy, of softmax(logits / temperature).
+
+    logps[t] = log softmax(z_t)[ids_t],   entropy[t] = -sum_v p_tv log p_tv,   z_t = logits[t] / temperature
+    logits [..., V], ids [...] (int64) -> logps [...] (and entropy [...]).
+    """
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    logps = logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    if not return_entropy:
+        return logps
+    return logps, -(logp.exp() * logp).sum(dim=-1)
+
+
+def unpack(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Packed [T, ...] with cu_seqlens [B + 1] -> padded [B, L_max, ...] (zeros past each sequence's end)."""
+    lengths = cu_seqlens.diff().tolist()
+    out = x.new_zeros((len(lengths), max(lengths, default=0), *x.shape[1:]))
+    for b, (start, n) in enumerate(zip(cu_seqlens[:-1].tolist(), lengths, strict=True)):
+        out[b, :n] = x[start : start + n]
+    return out
+
+
+def grpo_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor | None,
+    advantages: torch.Tensor,
+    *,
+    ref_logps: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    loss_type: str = "dapo",
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    delta: float | None = None,
+    beta: float = 0.0,
+    importance_sampling_level: str = "token",
+    max_completion_length: int | None = None,
+    num_items_in_batch: float | torch.Tensor | None = None,
+    sampler_logps: torch.Tensor | None = None,
+    sampler_is_mode: str | None = None,
+    sampler_is_cap: float = 3.0,
+    use_bias_correction_kl: bool = False,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The GRPO policy loss with TRL's math and normalizers, for one micro-batch (no gradient-accumulation scaling).
+
+    Per token (or per sequence for importance_sampling_level="sequence", GSPO):
+      w = exp(logp - old)  (sequence: exp(masked mean of logp - old over the sequence))
+      grpo/bnpo/dr_grpo/dapo: l = -min(w' A, clip(w, 1 - eps_low, 1 + eps_high) A), w' = min(w, delta) if delta
+      cispo: l = -stopgrad(min(w, eps_high)) A logp;   sapo: l = -(4 / tau) sigmoid(tau (w - 1)) A, tau by sign of A
+      sampler correction: l *= r, r = exp(old - sampler) per token or per sequence (sum), truncated at the cap
+        ("*_truncate") or zeroed above it ("*_mask")
+      KL (beta > 0): l += beta k3, k3 = exp(ref - logp) - (ref - logp) - 1 (times w if use_bias_correction_kl)
+    Aggregation over tokens with mask m: grpo/sapo: mean_b (sum_t m l / sum_t m); bnpo: sum m l / sum m;
+    dr_grpo: sum m l / (B max_completion_length); dapo/cispo: sum m l / num_items_in_batch (default sum m).
+    Inputs padded [B, L] with mask, or packed [T] with cu_seqlens [B + 1]; advantages [B] or per token.
+    """
+    if cu_seqlens is not None:
+        packed = {"logps": logps, "old": old_logps, "ref": ref_logps, "sampler": sampler_logps, "mask": mask}
+        if advantages.shape[0] == logps.shape[0]:  # per token (if B == T both readings give the same loss)
+            packed["adv"] = advantages
+        padded = {k: None if v is None else unpack(v, cu_seqlens) for k, v in packed.items()}
+        valid = unpack(torch.ones_like(logps), cu_seqlens)
+        logps, old_logps, ref_logps, sampler_logps = padded["logps"], padded["old"], padded["ref"], padded["sampler"]
+        mask = valid if padded["mask"] is None else padded["mask"] * valid
+        advantages = padded.get("adv", advantages)
+    mask = torch.ones_like(logps) if mask is None else mask.to(logps.dtype)
+    old = logps.detach() if old_logps is None else old_logps
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    log_ratio = logps - old
+    if importance_sampling_level == "token":
+        log_w = log_ratio
+    else:
+        log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    w = torch.exp(log_w)
+    ratio_for_metrics = w.detach()
+
+    if beta != 0.0:
+        kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+        if use_bias_correction_kl:
+            kl = kl * w
+    if loss_type == "cispo":
+        per_token = -torch.clamp(w, max=epsilon_high).detach() * adv * logps
+    elif loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
+        clipped = torch.clamp(w, 1 - epsilon_low, 1 + epsilon_high)
+        if delta is not None:
+            w = torch.clamp(w, max=delta)
+        per_token = -torch.min(w * adv, clipped * adv)
+    elif loss_type == "sapo":
+        tau = torch.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg)
+        per_token = -torch.sigmoid(tau * (w - 1)) * 4 / tau * adv
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}")
+
+    if sampler_logps is not None:
+        diff = torch.nan_to_num((old - sampler_logps) * mask, nan=0.0)
+        if sampler_is_mode.startswith("sequence"):
+            diff = diff.sum(dim=-1, keepdim=True)
+        is_ratio = torch.exp(diff)
+        if sampler_is_mode.endswith("truncate"):
+            is_ratio = torch.clamp(is_ratio, max=sampler_is_cap)
+        else:
+            is_ratio = is_ratio.masked_fill(is_ratio > sampler_is_cap, 0.0)
+        per_token = per_token * is_ratio
+    if beta != 0.0:
+        per_token = per_token + beta * kl
+
+    total = (per_token * mask).sum()
+    if loss_type in ("grpo", "sapo"):
+        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    elif loss_type == "bnpo":
+        loss = total / mask.sum().clamp(min=1.0)
+    elif loss_type == "dr_grpo":
+        loss = total / (per_token.shape[0] * (max_completion_length or logps.shape[-1]))
+    else:
+        items = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=total.dtype)
+        loss = total / items.clamp(min=1.0)
+
+    def masked_mean(x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().to(mask.dtype)
+        if x.shape[-1] == 1:  # one value per sequence
+            return x.mean()
+        return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+    w_clip = w.detach()
+    low = (w_clip < 1 - epsilon_low) & (adv < 0)
+    high = (w_clip > 1 + epsilon_high) & (adv > 0)
+    metrics = {
+        "clip_ratio/low_mean": masked_mean(low),
+        "clip_ratio/high_mean": masked_mean(high),
+        "clip_ratio/region_mean": masked_mean(low | high),
+        "ratio_mean": masked_mean(ratio_for_metrics),
+    }
+    if loss_type == "cispo":
+        cispo_clipped = masked_mean((w_clip > epsilon_high) & (adv > 0))
+        metrics = {"cispo_clip_ratio": cispo_clipped, "ratio_mean": metrics["ratio_mean"]}
+    if beta != 0.0:
+        metrics["kl"] = masked_mean(kl)
+    if sampler_logps is not None:
+        metrics["sampler_logp_abs_diff"] = masked_mean(torch.nan_to_num((logps - sampler_logps).abs(), nan=0.0))
+    return loss, metrics

@@ -19,16 +19,21 @@
 //   * AVX-512 path (fp32 K == 1 contiguous rewards, uniform or offset groups; picked at run time with
 //     __builtin_cpu_supports, the functions carry __attribute__((target)), so no global -m flags and the code
 //     above stays the path for other CPUs and inputs): vectorized ACROSS groups, 8 groups per batch, one fp64
-//     lane each. Group l's rewards are read as "octets" of 8 (masked loads: nothing past its end is touched);
-//     all groups of a batch walk max_l ceil(n_l / 8) octets (1, 2, 4 compile-time, else a run-time count), so
-//     no loop exit depends on one group's size. One pass: d_i = r_i - r_first (exact in fp64), S1 = sum d,
-//     S2 = sum d^2 per lane; a transpose-and-add tree turns 8 lane vectors into one vector of 8 sums; then
-//     mean = r_first + S1/n, M2 = S2 - S1^2/n (an all-equal group has d = 0: M2 = 0, std = 0 exactly), dof,
-//     sqrt, valid and 1/(std + eps) for 8 groups at once. Statistics of a block of 8 batches are computed
-//     before any of their advantages (A = r * inv - mean * inv by an fma, masked stores), so the div/sqrt
-//     latency overlaps the next batches' loads. Batches are fixed (groups 8i..8i+7) and parallel_for splits
-//     batches, so the result does not depend on the thread count; a batch with a group over 128 rewards or bad
-//     offsets runs through the per-group path below (which reports the bad offsets).
+//     lane each. Group l's rewards are read as "octets" of 8; the mask of each (group, octet) is a byte of a
+//     per-batch bit table (bit j: reward j exists), so masked loads cost no mask arithmetic and touch nothing
+//     past a group's end. Statistics, one pass, octets outer and the 8 groups inner (8 independent accumulator
+//     chains per step), all groups walking max_l ceil(n_l / 8) octets (1, 2, 4 compile-time, else a run-time
+//     count): d_i = r_i - r_first (exact in fp64), S1 = sum d, S2 = sum d^2 per lane; a transpose-and-add tree
+//     turns 8 lane vectors into one vector of 8 sums; then mean = r_first + S1/n, M2 = S2 - S1^2/n (an
+//     all-equal group has d = 0: M2 = 0, std = 0 exactly), dof, sqrt, valid and 1/(std + eps) for 8 groups at
+//     once. Statistics of a block of 8 batches are computed before any of their advantages (A = r * inv -
+//     mean * inv by an fma), so the div/sqrt latency overlaps the next batches' loads. Advantages: batches of
+//     groups up to 32 walk the same masked octets as the statistics (no branches); larger ones go group by
+//     group over each group's own octets with unmasked loads/stores (a partial last octet is written whole
+//     when that stays inside the batch: the excess lands on the next groups, rewritten after), so a batch of
+//     mixed sizes does not pay max-size work per group there. Batches are fixed (groups 8i..8i+7) and
+//     parallel_for splits batches, so the result does not depend on the thread count; a batch with a group
+//     over 128 rewards or bad offsets runs through the per-group path below (which reports the bad offsets).
 //   * Offsets are checked inside the parallel loop (0 <= start < end <= N) and reported after it: bad offsets
 //     raise instead of reading out of bounds, without an extra pass. No per-group heap allocation.
 
@@ -220,14 +225,6 @@ GRPO_AVX512 inline __m512d hsum8(const __m512d v[8]) {
                        _mm512_shuffle_f64x2(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// Mask of the rewards of octet o (rewards 8 o .. 8 o + 7) of a group of n (1 <= n <= 8 H).
-template <int64_t H>
-GRPO_AVX512 inline __mmask8 octet_mask(int64_t n, int64_t o) {
-  if constexpr (H == 1) return static_cast<__mmask8>(_bzhi_u32(0xFFu, static_cast<unsigned>(n)));
-  const int64_t rem = std::min<int64_t>(std::max<int64_t>(n - 8 * o, 0), 8);
-  return static_cast<__mmask8>(_bzhi_u32(0xFFu, static_cast<unsigned>(rem)));
-}
-
 // r_i of an octet in fp64; the masked-out ones read as 0 and are never loaded (no fault past the end).
 // kW: the weight w0 is not 1 (with w0 == 1 the multiply is skipped: same r_i).
 template <bool kW>
@@ -235,42 +232,63 @@ GRPO_AVX512 inline __m512d load_octet(const float* x, __mmask8 m, __m256 w0) {
   const __m256 v = _mm256_maskz_loadu_ps(m, x);
   return _mm512_cvtps_pd(kW ? _mm256_mul_ps(v, w0) : v);
 }
+template <bool kW>
+GRPO_AVX512 inline __m512d load_octet(const float* x, __m256 w0) {  // all 8 rewards
+  const __m256 v = _mm256_loadu_ps(x);
+  return _mm512_cvtps_pd(kW ? _mm256_mul_ps(v, w0) : v);
+}
+
+// r_i of the first reward of each group (b: where the groups start), in fp64.
+GRPO_AVX512 inline __m512d gather_first(const float* r, __m256 w0, __mmask8 lanes, __m512i b) {
+  return _mm512_cvtps_pd(_mm256_mul_ps(_mm512_mask_i64gather_ps(_mm256_setzero_ps(), lanes, b, r, 4), w0));
+}
 
 struct Batch {  // groups g .. g + 7 (lanes past num_groups: n = 0) and what their advantages need
   alignas(64) int64_t b[kLanes], n[kLanes];
   alignas(64) double s[kLanes], c[kLanes];  // A_i = r_i * s + c  (s = inv, c = -mean * inv)
-  int64_t g, count, octets;
+  // Bit j of bits[h][l]: reward 64 h + j of group l exists, so byte o of it is the mask of octet 8 h + o.
+  alignas(64) uint64_t bits[2][kLanes];
+  int64_t g, count, octets, end;  // end: one past the batch's last reward
   __mmask8 lanes, valid;
+  __mmask8 octet_mask(int64_t l, int64_t o) const {  // one byte load (a kmovb), no arithmetic
+    return reinterpret_cast<const unsigned char*>(&bits[o >> 3][l])[o & 7];
+  }
 };
 
 // Statistics of one batch whose groups all fit in H octets (H == 0: bt.octets, known at run time), one pass:
 // d_i = r_i - r_first (exact in fp64), S1 = sum d_i, S2 = sum d_i^2, mean = r_first + S1 / n,
 // M2 = S2 - S1^2 / n. An all-equal group has d_i = 0 exactly, so M2 = 0 and mean = r_first exactly.
+// Octets outer, groups inner: 8 independent accumulator chains per step instead of one group's chain at a time.
 template <int64_t H, bool kW>
 GRPO_AVX512 inline void batch_stats(const float* r, __m256 w0, Batch& bt, const __m512i b, const Params& p,
                                     const Outputs& out) {
   const int64_t octets = H > 0 ? H : bt.octets;
   const __m512d zero = _mm512_setzero_pd(), nan = _mm512_set1_pd(std::numeric_limits<double>::quiet_NaN());
+  // r_first of each group: broadcast from memory by the octets after the first. Gathered up front for them,
+  // after the sums when there are none (its latency then overlaps the sums).
+  alignas(64) double f[kLanes];
+  if constexpr (H != 1) _mm512_store_pd(f, gather_first(r, w0, bt.lanes, b));
   __m512d a1[kLanes], a2[kLanes];
-  for (int64_t l = 0; l < kLanes; ++l) {
-    const float* x = r + bt.b[l];
-    const __mmask8 k0 = octet_mask<H>(bt.n[l], 0);
-    const __m512d v0 = load_octet<kW>(x, k0, w0);
-    const __m512d first = _mm512_broadcastsd_pd(_mm512_castpd512_pd128(v0));
-    const __m512d d0 = _mm512_maskz_sub_pd(k0, v0, first);
-    a1[l] = d0;
-    a2[l] = _mm512_mul_pd(d0, d0);
-    for (int64_t o = 1; o < octets; ++o) {
-      const __mmask8 k = octet_mask<H>(bt.n[l], o);
-      const __m512d d = _mm512_maskz_sub_pd(k, load_octet<kW>(x + 8 * o, k, w0), first);
+#pragma GCC unroll 8
+  for (int64_t l = 0; l < kLanes; ++l) {  // octet 0: r_first from the loaded octet, no memory round trip
+    const __mmask8 k = bt.octet_mask(l, 0);
+    const __m512d v = load_octet<kW>(r + bt.b[l], k, w0);
+    const __m512d d = _mm512_maskz_sub_pd(k, v, _mm512_broadcastsd_pd(_mm512_castpd512_pd128(v)));
+    a1[l] = d;
+    a2[l] = _mm512_mul_pd(d, d);
+  }
+  for (int64_t o = 1; o < octets; ++o) {
+#pragma GCC unroll 8
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const __mmask8 k = bt.octet_mask(l, o);
+      const __m512d d = _mm512_maskz_sub_pd(k, load_octet<kW>(r + bt.b[l] + 8 * o, k, w0), _mm512_set1_pd(f[l]));
       a1[l] = _mm512_add_pd(a1[l], d);
       a2[l] = _mm512_fmadd_pd(d, d, a2[l]);
     }
   }
   const __m512d s1 = hsum8(a1), s2 = hsum8(a2);
+  const __m512d first = H != 1 ? _mm512_load_pd(f) : gather_first(r, w0, bt.lanes, b);
   const __m512d nd = _mm512_cvtepi64_pd(_mm512_load_si512(bt.n));
-  const __m512d first = _mm512_cvtps_pd(
-      _mm256_mul_ps(_mm512_mask_i64gather_ps(_mm256_setzero_ps(), bt.lanes, b, r, 4), w0));
   const __mmask8 finite = _mm512_cmp_pd_mask(_mm512_sub_pd(s1, s1), zero, _CMP_EQ_OQ) & bt.lanes;
   const __m512d md = _mm512_maskz_div_pd(bt.lanes, s1, nd);
   const __m512d mean = _mm512_add_pd(first, md);
@@ -297,16 +315,38 @@ GRPO_AVX512 inline void batch_stats(const float* r, __m256 w0, Batch& bt, const 
 }
 
 // Advantages of one batch: A_i = r_i * s + c in a valid group, +0 in the others (also where r_i is not finite).
+// H > 0: like the statistics, all groups walk H masked octets. H == 0 (a group over 32): group by group, each
+// over its own octets only, unmasked. A group's last, partial octet is read and written whole when that stays
+// inside the batch: what it writes past the group belongs to the next groups of the batch (groups are
+// contiguous), which are written after it; only a last octet that would pass the batch's end is masked.
 template <int64_t H, bool kW>
 GRPO_AVX512 inline void batch_write(const float* r, __m256 w0, const Batch& bt, float* adv) {
-  const int64_t octets = H > 0 ? H : bt.octets;
-  for (int64_t l = 0; l < kLanes; ++l) {
+  if constexpr (H > 0) {  // groups of up to 32: every group walks H masked octets, no branches
+#pragma GCC unroll 8
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const __m512d s = _mm512_set1_pd(bt.s[l]), c = _mm512_set1_pd(bt.c[l]);
+      const __mmask8 v = static_cast<__mmask8>(0u - ((bt.valid >> l) & 1u));
+      for (int64_t o = 0; o < H; ++o) {
+        const __mmask8 k = bt.octet_mask(l, o);
+        const __m512d x = load_octet<kW>(r + bt.b[l] + 8 * o, k, w0);
+        _mm256_mask_storeu_ps(adv + bt.b[l] + 8 * o, k, _mm512_cvtpd_ps(_mm512_maskz_fmadd_pd(v, x, s, c)));
+      }
+    }
+    return;
+  }
+  for (int64_t l = 0; l < bt.count; ++l) {
     const __m512d s = _mm512_set1_pd(bt.s[l]), c = _mm512_set1_pd(bt.c[l]);
     const __mmask8 v = static_cast<__mmask8>(0u - ((bt.valid >> l) & 1u));
-    for (int64_t o = 0; o < octets; ++o) {
-      const __mmask8 k = octet_mask<H>(bt.n[l], o);
-      const __m512d x = load_octet<kW>(r + bt.b[l] + 8 * o, k, w0);
-      _mm256_mask_storeu_ps(adv + bt.b[l] + 8 * o, k, _mm512_cvtpd_ps(_mm512_maskz_fmadd_pd(v, x, s, c)));
+    const int64_t b = bt.b[l], e = b + bt.n[l];
+    int64_t i = b;
+    for (; i + 8 <= e; i += 8)
+      _mm256_storeu_ps(adv + i, _mm512_cvtpd_ps(_mm512_maskz_fmadd_pd(v, load_octet<kW>(r + i, w0), s, c)));
+    if (i == e) continue;
+    if (i + 8 <= bt.end) {
+      _mm256_storeu_ps(adv + i, _mm512_cvtpd_ps(_mm512_maskz_fmadd_pd(v, load_octet<kW>(r + i, w0), s, c)));
+    } else {
+      const __mmask8 k = static_cast<__mmask8>(_bzhi_u32(0xFFu, static_cast<unsigned>(e - i)));
+      _mm256_mask_storeu_ps(adv + i, k, _mm512_cvtpd_ps(_mm512_maskz_fmadd_pd(v, load_octet<kW>(r + i, k, w0), s, c)));
     }
   }
 }
@@ -347,6 +387,12 @@ GRPO_AVX512 int64_t run_batches(const float* r, float w0f, const Groups& groups,
       if ((ok & bt.lanes) != bt.lanes) break;
       _mm512_store_si512(bt.b, b);
       _mm512_store_si512(bt.n, n);
+      const __m512i ones = _mm512_set1_epi64(-1);  // reward j of a group of n exists: bit j of ~(~0 << n)
+      _mm512_store_si512(bt.bits[0], _mm512_andnot_si512(_mm512_sllv_epi64(ones, n), ones));
+      _mm512_store_si512(bt.bits[1], _mm512_andnot_si512(
+          _mm512_sllv_epi64(ones, _mm512_max_epi64(_mm512_sub_epi64(n, _mm512_set1_epi64(64)), _mm512_setzero_si512())),
+          ones));
+      bt.end = bt.b[bt.count - 1] + bt.n[bt.count - 1];
       bt.octets = (_mm512_reduce_max_epi64(n) + 7) >> 3;
       if (bt.octets == 1) batch_stats<1, kW>(r, w0, bt, b, p, out);
       else if (bt.octets == 2) batch_stats<2, kW>(r, w0, bt, b, p, out);

@@ -39,6 +39,8 @@
 
 #include <torch/extension.h>
 
+#include "grpo_ops.h"
+
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
@@ -567,4 +569,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "cpu_simd", [] { return grpo::advantages::avx512::supported(); },
       "True when the AVX-512 paths run: the CPU has them and set_cpu_simd did not turn them off.");
+  init_logprobs(m);
 }

@@ -16,8 +16,9 @@ except ImportError as exc:  # a clear message instead of a later AttributeError
 
 from . import ops, reference, theory
 from .advantages import group_advantages
+from .logprobs import selective_logprobs
 from .types import GroupAdvantages
 
 __version__ = "0.1.0"
 
-__all__ = ["GroupAdvantages", "group_advantages", "ops", "reference", "theory", "__version__"]
+__all__ = ["GroupAdvantages", "group_advantages", "ops", "reference", "selective_logprobs", "theory", "__version__"]

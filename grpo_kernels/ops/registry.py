@@ -18,7 +18,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 
-from . import advantages
+from . import advantages, logprobs
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,9 +63,32 @@ def _advantages_variants() -> list[KernelVariant]:
     return variants
 
 
+def _logprobs_variants() -> list[KernelVariant]:
+    variants = []
+    for dtype, entropy, block in [("fp32", True, logprobs.MAX_BLOCK_V), ("bf16", True, 1024), ("bf16", False, 256)]:
+        fwd = {
+            "logits_ptr": f"*{dtype}", "stride_t": "i64", "ids_ptr": "*i64", "logps_ptr": "*fp32",
+            "entropy_ptr": "*fp32", "lse_ptr": "*fp32", "V": "i32", "inv_temperature": "fp32",
+            "RETURN_ENTROPY": "constexpr", "BLOCK_V": "constexpr",
+        }  # fmt: skip
+        bwd = {
+            "grad_ptr": "*fp32", "grad_entropy_ptr": "*fp32", "logits_ptr": f"*{dtype}", "stride_t": "i64",
+            "ids_ptr": "*i64", "lse_ptr": "*fp32", "entropy_ptr": "*fp32", "dlogits_ptr": f"*{dtype}",
+            "stride_dt": "i64", "V": "i32", "inv_temperature": "fp32",
+            "HAS_GRAD_ENTROPY": "constexpr", "BLOCK_V": "constexpr",
+        }  # fmt: skip
+        label = f"{dtype},{'entropy' if entropy else 'no entropy'},V{block}"
+        warps = logprobs._num_warps(block)
+        variants.append(KernelVariant(kernel=logprobs._logprobs_fwd_kernel, label=label, signature=fwd,
+                                      constexprs={"RETURN_ENTROPY": entropy, "BLOCK_V": block}, num_warps=warps))
+        variants.append(KernelVariant(kernel=logprobs._logprobs_bwd_kernel, label=label, signature=bwd,
+                                      constexprs={"HAS_GRAD_ENTROPY": entropy, "BLOCK_V": block}, num_warps=warps))
+    return variants
+
+
 def kernel_variants() -> list[KernelVariant]:
     """All compile variants of all launched kernels."""
-    return _advantages_variants()
+    return _advantages_variants() + _logprobs_variants()
 
 
 def uncovered_kernels() -> list[str]:

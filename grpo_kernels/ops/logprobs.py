@@ -1,0 +1,226 @@
+"""Selective log-probs (log-softmax + gather) and entropy: Triton kernels, launchers, registration, autograd.
+
+Design. One program per token row (the token dimension on grid axis 0: any T up to 2^31 - 1). The forward
+reads the row once in BLOCK_V chunks with an online log-sum-exp kept per lane (running max m, sum of
+exp(z - m), and for the entropy the sum of exp(z - m) (z - m)), combined across lanes at the end; it writes
+the log-prob of the chosen id, the entropy, and the row's log-sum-exp for the backward, so no [T, V] buffer
+is stored. The backward reads the row once more and writes
+    dlogits = (g (onehot - p) - gH p (log p + H)) / temperature,   p = exp(z - lse), z = logits / temperature.
+Entropy uses the shifted sum (z - m), so a peaked row with large logits keeps its small entropy accurate.
+Everything is accumulated in fp32; the temperature is a runtime argument.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from .. import _C
+
+MAX_BLOCK_V = 4096
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _logprobs_fwd_kernel(
+    logits_ptr, stride_t, ids_ptr, logps_ptr, entropy_ptr, lse_ptr, V, inv_temperature,
+    RETURN_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_t
+    cols = tl.arange(0, BLOCK_V)
+    m = tl.full((BLOCK_V,), float("-inf"), dtype=tl.float32)
+    s = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    sz = tl.zeros((BLOCK_V,), dtype=tl.float32)  # sum of exp(z - m) (z - m), per lane
+    for v0 in range(0, V, BLOCK_V):
+        valid = v0 + cols < V
+        z = tl.load(base + v0 + cols, mask=valid, other=float("-inf")).to(tl.float32) * inv_temperature
+        m_new = tl.maximum(m, z)
+        # Lanes that have seen no value yet keep m = -inf; the finite stand-ins below keep -inf - -inf (NaN)
+        # out of every expression, selected or not.
+        seen = m_new > float("-inf")
+        m_ref = tl.where(seen, m_new, 0.0)
+        z_fin = tl.where(valid, z, m_ref)
+        scale = tl.exp(m - m_ref)
+        e = tl.where(valid & seen, tl.exp(z_fin - m_ref), 0.0)
+        if RETURN_ENTROPY:
+            shift = tl.where(m > float("-inf"), m, m_ref) - m_ref
+            sz = scale * (sz + s * shift) + e * (z_fin - m_ref)
+        s = s * scale + e
+        m = m_new
+    big_m = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp(m - big_m), 0.0)
+    total = tl.sum(s * w, axis=0)
+    lse = big_m + tl.log(total)
+    target = tl.load(ids_ptr + row)
+    z_id = tl.load(base + target).to(tl.float32) * inv_temperature
+    tl.store(logps_ptr + row, z_id - lse)
+    tl.store(lse_ptr + row, lse)
+    if RETURN_ENTROPY:
+        # sum_v p (z - M) with every lane moved to the row max M; H = log(total) - that.
+        shifted = tl.sum(w * (sz + s * (tl.where(m > float("-inf"), m, big_m) - big_m)), axis=0) / total
+        tl.store(entropy_ptr + row, tl.log(total) - shifted)
+
+
+@triton.jit
+def _logprobs_bwd_kernel(
+    grad_ptr, grad_entropy_ptr, logits_ptr, stride_t, ids_ptr, lse_ptr, entropy_ptr, dlogits_ptr, stride_dt,
+    V, inv_temperature, HAS_GRAD_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_t
+    out = dlogits_ptr + row * stride_dt
+    g = tl.load(grad_ptr + row)
+    lse = tl.load(lse_ptr + row)
+    target = tl.load(ids_ptr + row)
+    if HAS_GRAD_ENTROPY:
+        g_h = tl.load(grad_entropy_ptr + row)
+        h = tl.load(entropy_ptr + row)
+    cols = tl.arange(0, BLOCK_V)
+    for v0 in range(0, V, BLOCK_V):
+        valid = v0 + cols < V
+        x = tl.load(base + v0 + cols, mask=valid, other=0.0)
+        log_p = x.to(tl.float32) * inv_temperature - lse
+        p = tl.exp(log_p)
+        d = g * (tl.where(v0 + cols == target, 1.0, 0.0) - p)
+        if HAS_GRAD_ENTROPY:
+            d -= g_h * p * (log_p + h)
+        tl.store(out + v0 + cols, (d * inv_temperature).to(x.dtype), mask=valid)
+
+
+# --------------------------------------------------------------------------------------------- launchers
+def _block_v(v: int) -> int:
+    return min(triton.next_power_of_2(v), MAX_BLOCK_V)
+
+
+def _num_warps(block_v: int) -> int:
+    return 8 if block_v >= 2048 else 4
+
+
+def _require_triton_device(t: torch.Tensor) -> None:
+    if t.device.type == "cpu" and isinstance(_logprobs_fwd_kernel, JITFunction):
+        raise RuntimeError(
+            "the Triton backend runs CPU tensors only in the Triton interpreter: set TRITON_INTERPRET=1 before "
+            "importing grpo_kernels, or use impl='cpp'"
+        )
+
+
+def logprobs_fwd_triton(logits, ids, temperature: float, return_entropy: bool):
+    """logits [T, V] (last dim contiguous), ids [T] int64 -> (logps [T] f32, entropy [T] or [0] f32, lse [T] f32)."""
+    _require_triton_device(logits)
+    t, v = logits.shape
+    logps = torch.empty(t, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(t, dtype=torch.float32, device=logits.device)
+    entropy = torch.empty(t if return_entropy else 0, dtype=torch.float32, device=logits.device)
+    if t:
+        block = _block_v(v)
+        _logprobs_fwd_kernel[(t,)](
+            logits, logits.stride(0), ids, logps, entropy if return_entropy else lse, lse, v, 1.0 / temperature,
+            RETURN_ENTROPY=return_entropy, BLOCK_V=block, num_warps=_num_warps(block),
+        )  # fmt: skip
+    return logps, entropy, lse
+
+
+def logprobs_bwd_triton(grad_logps, grad_entropy, logits, ids, lse, entropy, temperature: float, inplace: bool):
+    """dlogits [T, V] in logits' dtype (written into logits when inplace)."""
+    _require_triton_device(logits)
+    t, v = logits.shape
+    out = logits if inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
+    has_h = grad_entropy is not None
+    if t:
+        block = _block_v(v)
+        _logprobs_bwd_kernel[(t,)](
+            grad_logps, grad_entropy if has_h else grad_logps, logits, logits.stride(0), ids, lse,
+            entropy if has_h else lse, out, out.stride(0), v, 1.0 / temperature,
+            HAS_GRAD_ENTROPY=has_h, BLOCK_V=block, num_warps=_num_warps(block),
+        )  # fmt: skip
+    return out
+
+
+# ----------------------------------------------------------------------------------------- registration
+@torch.library.custom_op("grpo_kernels::selective_logprobs", mutates_args=(), device_types="cuda")
+def selective_logprobs_op(
+    logits: torch.Tensor, ids: torch.Tensor, temperature: float, return_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return logprobs_fwd_triton(logits, ids, temperature, return_entropy)
+
+
+@selective_logprobs_op.register_kernel("cpu")
+def _selective_logprobs_cpu(logits, ids, temperature, return_entropy):
+    return _C.selective_logprobs(logits, ids, temperature, return_entropy)
+
+
+@selective_logprobs_op.register_fake
+def _selective_logprobs_fake(logits, ids, temperature, return_entropy):
+    t = logits.shape[0]
+    f32 = dict(dtype=torch.float32)
+    return logits.new_empty(t, **f32), logits.new_empty(t if return_entropy else 0, **f32), logits.new_empty(t, **f32)
+
+
+@torch.library.custom_op("grpo_kernels::selective_logprobs_backward", mutates_args=(), device_types="cuda")
+def selective_logprobs_backward_op(
+    grad_logps: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    temperature: float,
+) -> torch.Tensor:
+    return logprobs_bwd_triton(grad_logps, grad_entropy, logits, ids, lse, entropy, temperature, False)
+
+
+@selective_logprobs_backward_op.register_kernel("cpu")
+def _selective_logprobs_backward_cpu(grad_logps, grad_entropy, logits, ids, lse, entropy, temperature):
+    return _C.selective_logprobs_backward(grad_logps, grad_entropy, logits, ids, lse, entropy, temperature, False)
+
+
+@selective_logprobs_backward_op.register_fake
+def _selective_logprobs_backward_fake(grad_logps, grad_entropy, logits, ids, lse, entropy, temperature):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+# ------------------------------------------------------------------------------------------------ autograd
+def _setup_context(ctx, inputs, output):
+    logits, ids, temperature, return_entropy = inputs
+    _, entropy, lse = output
+    ctx.save_for_backward(logits, ids, lse, entropy if return_entropy else None)
+    ctx.temperature = temperature
+    ctx.mark_non_differentiable(lse)
+
+
+def _grads(ctx, g_logps, g_entropy):
+    logits, ids, lse, entropy = ctx.saved_tensors
+    g_logps = torch.zeros_like(lse) if g_logps is None else g_logps.float().contiguous()
+    if entropy is None or g_entropy is None:
+        g_entropy, entropy = None, None
+    else:
+        g_entropy = g_entropy.float().contiguous()
+    return logits, ids, lse, entropy, g_logps, g_entropy
+
+
+def _backward(ctx, g_logps, g_entropy, _g_lse):
+    logits, ids, lse, entropy, g_logps, g_entropy = _grads(ctx, g_logps, g_entropy)
+    dlogits = torch.ops.grpo_kernels.selective_logprobs_backward(
+        g_logps, g_entropy, logits, ids, lse, entropy, ctx.temperature
+    )
+    return dlogits, None, None, None
+
+
+selective_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class TritonDirect(torch.autograd.Function):
+    """The Triton launchers called outside the dispatcher (CPU tensors under TRITON_INTERPRET=1), same maths."""
+
+    @staticmethod
+    def forward(logits, ids, temperature, return_entropy):
+        return logprobs_fwd_triton(logits, ids, temperature, return_entropy)
+
+    setup_context = staticmethod(_setup_context)
+
+    @staticmethod
+    def backward(ctx, g_logps, g_entropy, g_lse):
+        logits, ids, lse, entropy, g_logps, g_entropy = _grads(ctx, g_logps, g_entropy)
+        dlogits = logprobs_bwd_triton(g_logps, g_entropy, logits, ids, lse, entropy, ctx.temperature, False)
+        return dlogits, None, None, None

@@ -1,0 +1,172 @@
+"""selective_logprobs: every backend against the fp64 reference, forward and backward, plus the op contract."""
+
+import pytest
+import torch
+from helpers import assert_close, assert_lowp_no_worse
+
+import grpo_kernels
+from grpo_kernels import reference
+
+# "cpp-portable" is the C++ backend with its AVX-512 path switched off (the code other CPUs run).
+IMPLS = ["cpp", "cpp-portable", "triton"]
+
+
+def device_for(impl: str, triton_device: str) -> str:
+    return triton_device if impl == "triton" else "cpu"
+
+
+def logprobs(logits, ids, impl: str, **kw):
+    """grpo_kernels.selective_logprobs with impl, where "cpp-portable" runs C++ without AVX-512."""
+    grpo_kernels._C.set_logprobs_simd(impl != "cpp-portable")
+    try:
+        return grpo_kernels.selective_logprobs(logits, ids, impl="cpp" if impl == "cpp-portable" else impl, **kw)
+    finally:
+        grpo_kernels._C.set_logprobs_simd(True)
+
+
+def make(t, v, dtype=torch.float32, scale=3.0):
+    logits = (torch.randn(t, v) * scale).to(dtype)
+    return logits, torch.randint(0, v, (t,))
+
+
+def oracle(logits, ids, temperature, grads=None):
+    """fp64 reference on the same (rounded) logits; with grads, also d logits by autograd."""
+    x = logits.detach().double().cpu().requires_grad_()
+    logps, entropy = reference.selective_logprobs(x, ids.cpu(), temperature=temperature, return_entropy=True)
+    if grads is None:
+        return logps, entropy, None
+    (dx,) = torch.autograd.grad((logps * grads[0]).sum() + (entropy * grads[1]).sum(), x)
+    return logps, entropy, dx
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("t,v", [(1, 1), (7, 17), (5, 1000), (3, 4099)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_forward_and_backward_match_reference(impl, triton_device, t, v, temperature):
+    dev = device_for(impl, triton_device)
+    logits, ids = make(t, v)
+    g, g_h = torch.randn(t, dtype=torch.float64), torch.randn(t, dtype=torch.float64)
+    ref_lp, ref_h, ref_dx = oracle(logits, ids, temperature, (g, g_h))
+    x = logits.to(dev).requires_grad_()
+    logps, entropy = logprobs(x, ids.to(dev), impl, temperature=temperature, return_entropy=True)
+    assert logps.dtype == torch.float32 and logps.shape == ids.shape
+    assert_close(logps, ref_lp, name="logps")
+    assert_close(entropy, ref_h, name="entropy")
+    (dx,) = torch.autograd.grad((logps * g.float().to(dev)).sum() + (entropy * g_h.float().to(dev)).sum(), x)
+    assert_close(dx, ref_dx, name="d logits")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_logps_only_backward_and_batched_shape(impl, triton_device):
+    dev = device_for(impl, triton_device)
+    logits = torch.randn(2, 5, 33) * 2
+    ids = torch.randint(0, 33, (2, 5))
+    x = logits.to(dev).requires_grad_()
+    logps = logprobs(x, ids.to(dev), impl)
+    assert logps.shape == (2, 5)
+    g = torch.randn(2, 5, dtype=torch.float64)
+    ref_lp, _, ref_dx = oracle(logits.reshape(10, 33), ids.reshape(10), 1.0, (g.reshape(10), torch.zeros(10).double()))
+    (dx,) = torch.autograd.grad((logps * g.float().to(dev)).sum(), x)
+    assert_close(logps.reshape(10), ref_lp, name="logps")
+    assert_close(dx.reshape(10, 33), ref_dx, name="d logits")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_logits_no_worse_than_pytorch(impl, triton_device, dtype):
+    dev = device_for(impl, triton_device)
+    logits, ids = make(6, 301, dtype)
+    ref_lp, ref_h, _ = oracle(logits, ids, 1.0)
+    logps, entropy = logprobs(logits.to(dev), ids.to(dev), impl, return_entropy=True)
+    torch_lp, torch_h = reference.selective_logprobs(logits, ids, return_entropy=True)  # PyTorch in bf16/fp16
+    assert_lowp_no_worse(logps, torch_lp, ref_lp, name="logps")
+    assert_lowp_no_worse(entropy, torch_h, ref_h, name="entropy")
+    assert_close(logps, ref_lp, name="logps vs fp64 on the rounded inputs")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_extreme_logits_stay_finite_and_exact(impl, triton_device):
+    dev = device_for(impl, triton_device)
+    logits = torch.randn(4, 50) * 1e4  # the online max matters
+    logits[1] = -1e4
+    logits[1, 7] = 1e4  # one dominant logit: entropy ~ 0, log-prob of it ~ 0
+    ids = torch.tensor([3, 7, 0, 49])
+    ref_lp, ref_h, _ = oracle(logits, ids, 1.0)
+    logps, entropy = logprobs(logits.to(dev), ids.to(dev), impl, return_entropy=True)
+    assert bool(torch.isfinite(logps).all()) and bool(torch.isfinite(entropy).all())
+    assert_close(logps, ref_lp, name="logps", rtol=1e-6, atol=1e-3)  # |z| = 1e4: fp32 spacing is ~1e-3
+    assert_close(entropy, ref_h, name="entropy", atol=1e-3)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_non_contiguous_rows(impl, triton_device):
+    dev = device_for(impl, triton_device)
+    big = torch.randn(6, 80)
+    logits, ids = big[:, :51], torch.randint(0, 51, (6,))
+    ref_lp, _, _ = oracle(logits, ids, 1.3)
+    logps = logprobs(logits.to(dev), ids.to(dev), impl, temperature=1.3)
+    assert_close(logps, ref_lp, name="logps")
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(temperature=0.0), "temperature must be"),
+        (dict(temperature=float("inf")), "temperature must be"),
+        (dict(impl="cuda"), "impl must be one of"),
+        (dict(cu_seqlens=torch.tensor([0, 2, 5])), "rise from 0 to T=6"),
+    ],
+)
+def test_bad_arguments_raise_value_error(kwargs, match):
+    logits, ids = make(6, 11)
+    with pytest.raises(ValueError, match=match):
+        grpo_kernels.selective_logprobs(logits, ids, **kwargs)
+
+
+def test_bad_ids_and_shapes_raise_value_error():
+    logits, ids = make(6, 11)
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, V=11\), found 11"):
+        grpo_kernels.selective_logprobs(logits, torch.full((6,), 11))
+    with pytest.raises(ValueError, match=r"ids must have shape \(6,\)"):
+        grpo_kernels.selective_logprobs(logits, ids[:5])
+    with pytest.raises(ValueError, match="float16/bfloat16/float32"):
+        grpo_kernels.selective_logprobs(logits.double(), ids)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        grpo_kernels.selective_logprobs(logits, ids.float())
+
+
+# --------------------------------------------------------------------------------------- op contract
+@pytest.mark.parametrize("return_entropy", [True, False])
+def test_opcheck(return_entropy):
+    logits = torch.randn(9, 37, requires_grad=True)
+    ids = torch.randint(0, 37, (9,))
+    torch.library.opcheck(torch.ops.grpo_kernels.selective_logprobs, (logits, ids, 0.8, return_entropy))
+    lse = torch.logsumexp(logits.detach() / 0.8, dim=-1)
+    h = torch.rand(9)
+    args = (torch.randn(9), torch.randn(9) if return_entropy else None, logits.detach(), ids, lse,
+            h if return_entropy else None, 0.8)  # fmt: skip
+    torch.library.opcheck(torch.ops.grpo_kernels.selective_logprobs_backward, args)
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    def f(logits, ids):
+        logps, entropy = grpo_kernels.selective_logprobs(logits, ids, temperature=0.9, return_entropy=True)
+        return (logps * torch.arange(logps.shape[0])).sum() + entropy.sum()
+
+    logits = torch.randn(12, 40, requires_grad=True)
+    ids = torch.randint(0, 40, (12,))
+    compiled = torch.compile(f, fullgraph=True)
+    (g_c,) = torch.autograd.grad(compiled(logits, ids), logits)
+    (g_e,) = torch.autograd.grad(f(logits, ids), logits)
+    assert_close(g_c, g_e, name="compiled grad")
+
+
+@pytest.mark.slow
+def test_a_million_packed_tokens_on_cpu():
+    t, v = 2**20, 6
+    logits = torch.randn(t, v)
+    ids = torch.randint(0, v, (t,))
+    logps = grpo_kernels.selective_logprobs(logits, ids, cu_seqlens=torch.tensor([0, 5, t]))
+    rows = torch.randint(0, t, (1000,))
+    ref = reference.selective_logprobs(logits[rows].double(), ids[rows])
+    assert_close(logps[rows], ref, name="logps at sampled rows of a 1M-token batch")

@@ -57,6 +57,7 @@ def selective_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    inplace_backward: bool = False,
     impl: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log softmax(logits / temperature)[ids] per token, and optionally the entropy of that distribution.
@@ -67,6 +68,8 @@ def selective_logprobs(
         temperature: the sampling temperature (a runtime argument: changing it recompiles nothing).
         return_entropy: also return `-sum_v p log p` per token.
         cu_seqlens: `[num_sequences + 1]` boundaries of packed sequences (checked; the op is per token).
+        inplace_backward: the backward writes d logits into the logits' own buffer and returns it as their
+            gradient, saving a [T, V] allocation. Only when nothing else needs the logits after the forward.
         impl: "auto" (C++ on CPU, Triton on CUDA), "cpp", "triton" or "reference"; never falls back.
 
     Returns:
@@ -85,9 +88,10 @@ def selective_logprobs(
         out = reference.selective_logprobs(flat.float(), flat_ids, temperature=temperature, return_entropy=True)
         logps, entropy = out
     elif impl == "triton" and flat.device.type == "cpu":
-        logps, entropy, _ = _ops.TritonDirect.apply(flat, flat_ids, temperature, return_entropy)
+        logps, entropy, _ = _ops.TritonDirect.apply(flat, flat_ids, temperature, return_entropy, inplace_backward)
     else:
-        logps, entropy, _ = torch.ops.grpo_kernels.selective_logprobs(flat, flat_ids, temperature, return_entropy)
+        args = (flat, flat_ids, temperature, return_entropy, bool(inplace_backward))
+        logps, entropy, _ = torch.ops.grpo_kernels.selective_logprobs(*args)
     if return_entropy:
         return logps.reshape(shape), entropy.reshape(shape)
     return logps.reshape(shape)

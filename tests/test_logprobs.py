@@ -135,29 +135,52 @@ def test_bad_ids_and_shapes_raise_value_error():
         grpo_kernels.selective_logprobs(logits, ids.float())
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_inplace_backward_matches_and_reuses_the_logits_buffer(impl, triton_device):
+    dev = device_for(impl, triton_device)
+    base = torch.randn(5, 3, 29).to(dev)
+    ids = torch.randint(0, 29, (5, 3)).to(dev)
+    grads = []
+    for inplace in (False, True):
+        leaf = base.clone().requires_grad_()
+        logits = leaf * 1.0  # a non-leaf [B, L, V] activation, as an LM head would produce
+        logps, entropy = logprobs(logits, ids, impl, return_entropy=True, inplace_backward=inplace)
+        (logps.sum() + 0.5 * entropy.sum()).backward()
+        grads.append(leaf.grad)
+        if inplace:
+            assert torch.equal(logits.detach(), leaf.grad), "the logits buffer holds the gradient"
+    assert_close(grads[1], grads[0], name="inplace vs out-of-place", rtol=0, atol=0)
+
+
 # --------------------------------------------------------------------------------------- op contract
 @pytest.mark.parametrize("return_entropy", [True, False])
 def test_opcheck(return_entropy):
     logits = torch.randn(9, 37, requires_grad=True)
     ids = torch.randint(0, 37, (9,))
-    torch.library.opcheck(torch.ops.grpo_kernels.selective_logprobs, (logits, ids, 0.8, return_entropy))
+    torch.library.opcheck(torch.ops.grpo_kernels.selective_logprobs, (logits, ids, 0.8, return_entropy, False))
     lse = torch.logsumexp(logits.detach() / 0.8, dim=-1)
     h = torch.rand(9)
     args = (torch.randn(9), torch.randn(9) if return_entropy else None, logits.detach(), ids, lse,
             h if return_entropy else None, 0.8)  # fmt: skip
     torch.library.opcheck(torch.ops.grpo_kernels.selective_logprobs_backward, args)
+    inplace_args = (*args[:2], logits.detach().clone(), *args[3:])
+    torch.library.opcheck(torch.ops.grpo_kernels.selective_logprobs_backward_, inplace_args)
 
 
-def test_torch_compile_fullgraph_forward_and_backward():
-    def f(logits, ids):
-        logps, entropy = grpo_kernels.selective_logprobs(logits, ids, temperature=0.9, return_entropy=True)
+@pytest.mark.parametrize("inplace", [False, True])
+def test_torch_compile_fullgraph_forward_and_backward(inplace):
+    def f(x, ids):
+        logits = x * 2.0
+        logps, entropy = grpo_kernels.selective_logprobs(
+            logits, ids, temperature=0.9, return_entropy=True, inplace_backward=inplace
+        )
         return (logps * torch.arange(logps.shape[0])).sum() + entropy.sum()
 
-    logits = torch.randn(12, 40, requires_grad=True)
+    x = torch.randn(12, 40, requires_grad=True)
     ids = torch.randint(0, 40, (12,))
     compiled = torch.compile(f, fullgraph=True)
-    (g_c,) = torch.autograd.grad(compiled(logits, ids), logits)
-    (g_e,) = torch.autograd.grad(f(logits, ids), logits)
+    (g_c,) = torch.autograd.grad(compiled(x, ids), x)
+    (g_e,) = torch.autograd.grad(f(x, ids), x)
     assert_close(g_c, g_e, name="compiled grad")
 
 

@@ -140,18 +140,19 @@ def logprobs_bwd_triton(grad_logps, grad_entropy, logits, ids, lse, entropy, tem
 # ----------------------------------------------------------------------------------------- registration
 @torch.library.custom_op("grpo_kernels::selective_logprobs", mutates_args=(), device_types="cuda")
 def selective_logprobs_op(
-    logits: torch.Tensor, ids: torch.Tensor, temperature: float, return_entropy: bool
+    logits: torch.Tensor, ids: torch.Tensor, temperature: float, return_entropy: bool, inplace_backward: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """inplace_backward only matters to autograd: the backward then writes d logits into `logits`."""
     return logprobs_fwd_triton(logits, ids, temperature, return_entropy)
 
 
 @selective_logprobs_op.register_kernel("cpu")
-def _selective_logprobs_cpu(logits, ids, temperature, return_entropy):
+def _selective_logprobs_cpu(logits, ids, temperature, return_entropy, inplace_backward):
     return _C.selective_logprobs(logits, ids, temperature, return_entropy)
 
 
 @selective_logprobs_op.register_fake
-def _selective_logprobs_fake(logits, ids, temperature, return_entropy):
+def _selective_logprobs_fake(logits, ids, temperature, return_entropy, inplace_backward):
     t = logits.shape[0]
     f32 = dict(dtype=torch.float32)
     return logits.new_empty(t, **f32), logits.new_empty(t if return_entropy else 0, **f32), logits.new_empty(t, **f32)
@@ -180,12 +181,36 @@ def _selective_logprobs_backward_fake(grad_logps, grad_entropy, logits, ids, lse
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
+@torch.library.custom_op("grpo_kernels::selective_logprobs_backward_", mutates_args=("logits",), device_types="cuda")
+def selective_logprobs_backward_inplace_op(
+    grad_logps: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    temperature: float,
+) -> None:
+    """The backward written over the logits themselves (the caller gives up the logits)."""
+    logprobs_bwd_triton(grad_logps, grad_entropy, logits, ids, lse, entropy, temperature, True)
+
+
+@selective_logprobs_backward_inplace_op.register_kernel("cpu")
+def _selective_logprobs_backward_inplace_cpu(grad_logps, grad_entropy, logits, ids, lse, entropy, temperature):
+    _C.selective_logprobs_backward(grad_logps, grad_entropy, logits, ids, lse, entropy, temperature, True)
+
+
+@selective_logprobs_backward_inplace_op.register_fake
+def _selective_logprobs_backward_inplace_fake(grad_logps, grad_entropy, logits, ids, lse, entropy, temperature):
+    return None
+
+
 # ------------------------------------------------------------------------------------------------ autograd
 def _setup_context(ctx, inputs, output):
-    logits, ids, temperature, return_entropy = inputs
+    logits, ids, temperature, return_entropy, inplace_backward = inputs
     _, entropy, lse = output
     ctx.save_for_backward(logits, ids, lse, entropy if return_entropy else None)
-    ctx.temperature = temperature
+    ctx.temperature, ctx.inplace = temperature, inplace_backward
     ctx.mark_non_differentiable(lse)
 
 
@@ -201,10 +226,11 @@ def _grads(ctx, g_logps, g_entropy):
 
 def _backward(ctx, g_logps, g_entropy, _g_lse):
     logits, ids, lse, entropy, g_logps, g_entropy = _grads(ctx, g_logps, g_entropy)
-    dlogits = torch.ops.grpo_kernels.selective_logprobs_backward(
-        g_logps, g_entropy, logits, ids, lse, entropy, ctx.temperature
-    )
-    return dlogits, None, None, None
+    args = (g_logps, g_entropy, logits, ids, lse, entropy, ctx.temperature)
+    if ctx.inplace:
+        torch.ops.grpo_kernels.selective_logprobs_backward_(*args)
+        return logits, None, None, None, None
+    return torch.ops.grpo_kernels.selective_logprobs_backward(*args), None, None, None, None
 
 
 selective_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
@@ -214,7 +240,7 @@ class TritonDirect(torch.autograd.Function):
     """The Triton launchers called outside the dispatcher (CPU tensors under TRITON_INTERPRET=1), same maths."""
 
     @staticmethod
-    def forward(logits, ids, temperature, return_entropy):
+    def forward(logits, ids, temperature, return_entropy, inplace_backward):
         return logprobs_fwd_triton(logits, ids, temperature, return_entropy)
 
     setup_context = staticmethod(_setup_context)
@@ -222,5 +248,5 @@ class TritonDirect(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logps, g_entropy, g_lse):
         logits, ids, lse, entropy, g_logps, g_entropy = _grads(ctx, g_logps, g_entropy)
-        dlogits = logprobs_bwd_triton(g_logps, g_entropy, logits, ids, lse, entropy, ctx.temperature, False)
-        return dlogits, None, None, None
+        dlogits = logprobs_bwd_triton(g_logps, g_entropy, logits, ids, lse, entropy, ctx.temperature, ctx.inplace)
+        return dlogits, None, None, None, None

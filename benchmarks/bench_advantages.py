@@ -17,14 +17,7 @@ benchmarks/results/advantages_<device>.csv; speedup_vs_baseline is that provider
 """
 
 import argparse
-import csv
-import datetime
 import itertools
-import math
-import os
-import platform
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,11 +25,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # importable from a plain checkout too
 
 import torch
-import triton
 
 import grpo_kernels
+from benchmarks.common import RESULTS, append_csv, compile_checked, median_ms, plot_panels, print_environment, run_meta
 
-ROOT = Path(__file__).resolve().parents[1]
 EPS, MIN_STD = 1e-6, 1e-4
 COLUMNS = ["timestamp", "device", "torch", "triton", "git_sha", "sweep", "N", "G", "provider", "median_ms", "gbps",
            "speedup_vs_baseline"]  # fmt: skip
@@ -66,24 +58,6 @@ def segment_advantages(rewards: torch.Tensor, offsets: torch.Tensor):
     return adv, valid, mean, std, 1.0 - valid.float().mean()
 
 
-def median_ms(fn, device: str, min_time: float) -> float:
-    """Median time of one call in ms: do_bench on CUDA; on CPU >= 5 timed repeats after a warmup call."""
-    if device == "cuda":
-        return triton.testing.do_bench(fn, return_mode="median")
-    fn()
-    start = time.perf_counter()
-    fn()
-    once = time.perf_counter() - start
-    number = max(1, int(2e-3 / max(once, 1e-9)))  # calls per repeat, so a repeat lasts >= ~2 ms
-    times = []
-    while len(times) < 5 or sum(times) * number < min_time:
-        start = time.perf_counter()
-        for _ in range(number):
-            fn()
-        times.append((time.perf_counter() - start) / number)
-    return statistics.median(times) * 1e3
-
-
 def check(baseline, ours) -> None:
     """Assert a baseline's (advantages, valid, mean, std, invalid_fraction) match ours."""
     for got, want in zip(baseline, ours, strict=True):
@@ -92,13 +66,7 @@ def check(baseline, ours) -> None:
 
 def compiled(fn, args, ours):
     """torch.compile fn for these shapes and check it against ours; returns (callable, None) or (None, reason)."""
-    torch._dynamo.reset()  # a fresh cache per shape: dynamic=False recompiles would hit the recompile limit
-    try:
-        compiled_fn = torch.compile(fn, dynamic=False)
-        check(compiled_fn(*args), ours)
-        return compiled_fn, None
-    except Exception as exc:  # any compiler failure: reported as a skip
-        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+    return compile_checked(fn, lambda compiled_fn: check(compiled_fn(*args), ours))
 
 
 def variable_offsets(n: int, g_mean: int, gen: torch.Generator) -> torch.Tensor:
@@ -144,65 +112,22 @@ def run_point(label: str, ours_fn, baselines: dict, device: str, min_time: float
     return timings
 
 
-def device_name(device: str) -> str:
-    """The GPU's name, or the CPU model from /proc/cpuinfo."""
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
-
-
-def git_sha() -> str:
-    """Short hash of the checked-out commit, or "unknown"."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
-def append_csv(rows: list, path: Path) -> None:
-    """Append rows to the CSV at path, writing the header first if the file is new or empty."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists() or path.stat().st_size == 0
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
-
-
 def plot(rows, path: Path) -> None:
     """ms vs N (log-log), one line per provider, one subplot per uniform G and per variable G_mean."""
-    import matplotlib
+    panels = {}
+    for r in sorted(rows, key=lambda r: (r["sweep"] != "uniform", r["G"])):
+        panels.setdefault(f"{r['sweep']}, {'G' if r['sweep'] == 'uniform' else 'G_mean'}={r['G']}", []).append(r)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = sorted({(r["sweep"], r["G"]) for r in rows}, key=lambda p: (p[0] != "uniform", p[1]))
-    ncols = min(4, len(panels))
-    nrows = math.ceil(len(panels) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4 * ncols, 3.3 * nrows), squeeze=False)
-    for ax, panel in zip(axes.flat, panels, strict=False):
+    def draw(ax, panel_rows):
         series = {}
-        for r in rows:
-            if (r["sweep"], r["G"]) == panel:
-                series.setdefault(r["provider"], []).append((r["N"], r["median_ms"]))
+        for r in panel_rows:
+            series.setdefault(r["provider"], []).append((r["N"], r["median_ms"]))
         for provider, pts in series.items():
             ax.loglog(*zip(*pts, strict=True), marker="o", base=2, label=provider)
-        sweep, g = panel
-        ax.set(title=f"{sweep}, {'G' if sweep == 'uniform' else 'G_mean'}={g}", xlabel="N", ylabel="median ms")
+        ax.set(xlabel="N", ylabel="median ms")
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels) :]:
-        ax.set_visible(False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+
+    plot_panels(panels, path, draw)
 
 
 def main() -> None:
@@ -214,14 +139,9 @@ def main() -> None:
     parser.add_argument("--csv", type=Path, help="append here, not to benchmarks/results/advantages_<device>.csv")
     args = parser.parse_args()
     dev, min_time = args.device, (0.1 if args.quick else 0.3)
-    csv_path = args.csv or ROOT / "benchmarks" / "results" / f"advantages_{dev}.csv"
-    meta = {"timestamp": datetime.datetime.now().isoformat(timespec="seconds"), "device": device_name(dev),
-            "torch": torch.__version__, "triton": triton.__version__, "git_sha": git_sha()}  # fmt: skip
-    load = os.getloadavg()[0]  # other busy processes make CPU timings noisy: run on an idle machine
-    print(
-        f"{meta['device']} | torch {meta['torch']} | triton {meta['triton']} | threads {torch.get_num_threads()}"
-        f" | load average {load:.1f} on {os.cpu_count()} cores"
-    )
+    csv_path = args.csv or RESULTS / f"advantages_{dev}.csv"
+    meta = run_meta(dev)
+    print_environment(meta)
     gen = torch.Generator().manual_seed(0)
     rows, started = [], time.perf_counter()
 
@@ -247,7 +167,7 @@ def main() -> None:
             ratios = [f"{ms / t['ours']:.2f}x" if ms is not None else "-" for ms in base_ms]
             print(f"{n:>9} {g:>6} {cells} {t['ours']:9.3f} {ratios[0]:>9} {ratios[1]:>11}", flush=True)
 
-    append_csv(rows, csv_path)
+    append_csv(rows, csv_path, COLUMNS)
     print(f"\nappended {len(rows)} rows to {csv_path} ({time.perf_counter() - started:.0f} s)")
     if args.plot:
         plot(rows, csv_path.with_suffix(".png") if args.csv else csv_path.parent / f"advantages_{dev}.png")

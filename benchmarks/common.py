@@ -1,0 +1,118 @@
+"""Shared benchmark helpers: timing, run metadata, CSV appending and a panel-grid plot."""
+
+import csv
+import datetime
+import math
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def median_ms(fn, device: str, min_time: float, min_repeats: int = 5) -> float:
+    """Median time of one call in ms: do_bench on CUDA; on CPU >= min_repeats timed repeats after a warmup call."""
+    if device == "cuda":
+        return triton.testing.do_bench(fn, return_mode="median")
+    fn()
+    start = time.perf_counter()
+    fn()
+    once = time.perf_counter() - start
+    number = max(1, int(2e-3 / max(once, 1e-9)))  # calls per repeat, so a repeat lasts >= ~2 ms
+    times = []
+    while len(times) < min_repeats or sum(times) * number < min_time:
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        times.append((time.perf_counter() - start) / number)
+    return statistics.median(times) * 1e3
+
+
+def compile_checked(fn, probe: Callable) -> tuple:
+    """torch.compile fn (static shapes) and run probe(compiled_fn), which checks it against ours.
+
+    Returns (compiled_fn, None), or (None, reason) when compiling or the check fails.
+    """
+    torch._dynamo.reset()  # a fresh cache per shape: dynamic=False recompiles would hit the recompile limit
+    try:
+        compiled_fn = torch.compile(fn, dynamic=False)
+        probe(compiled_fn)
+        return compiled_fn, None
+    except Exception as exc:  # any compiler failure: reported as a skip
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+
+
+def device_name(device: str) -> str:
+    """The GPU's name, or the CPU model from /proc/cpuinfo."""
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def git_sha() -> str:
+    """Short hash of the checked-out commit, or "unknown"."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def run_meta(device: str) -> dict:
+    """The leading CSV columns shared by every row of a run: timestamp, device, torch, triton, git_sha."""
+    return {"timestamp": datetime.datetime.now().isoformat(timespec="seconds"), "device": device_name(device),
+            "torch": torch.__version__, "triton": triton.__version__, "git_sha": git_sha()}  # fmt: skip
+
+
+def print_environment(meta: dict) -> None:
+    """One line: device, versions, threads and the load average."""
+    load = os.getloadavg()[0]  # other busy processes make CPU timings noisy: run on an idle machine
+    print(
+        f"{meta['device']} | torch {meta['torch']} | triton {meta['triton']} | threads {torch.get_num_threads()}"
+        f" | load average {load:.1f} on {os.cpu_count()} cores"
+    )
+
+
+def append_csv(rows: list, path: Path, columns: list) -> None:
+    """Append rows to the CSV at path, writing the header first if the file is new or empty."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists() or path.stat().st_size == 0
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+
+
+def plot_panels(panels: dict, path: Path, draw: Callable, max_cols: int = 4) -> None:
+    """One subplot per panels item (title -> rows), drawn by draw(ax, rows); saved as a PNG at path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ncols = min(max_cols, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4 * ncols, 3.3 * nrows), squeeze=False)
+    for ax, (title, rows) in zip(axes.flat, panels.items(), strict=False):
+        draw(ax, rows)
+        ax.set_title(title)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")

@@ -267,6 +267,24 @@ void check_inputs(const char* op, const at::Tensor& logits, const at::Tensor& id
   TORCH_CHECK(temperature > 0 && std::isfinite(temperature), op, ": temperature must be finite and > 0");
 }
 
+// Runs f(t, id_t) for every row in parallel; rows with an id outside [0, V) are skipped (nothing is read
+// out of bounds) and reported after the loop.
+template <typename F>
+void for_each_row(const char* op, int64_t T, int64_t V, const int64_t* id, const F& f) {
+  std::atomic<bool> bad{false};
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / V), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t k = id[t];
+      if (k < 0 || k >= V) {
+        bad.store(true, std::memory_order_relaxed);
+        continue;
+      }
+      f(t, k);
+    }
+  });
+  TORCH_CHECK(!bad.load(), op, ": ids must lie in [0, V=", V, ")");
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> selective_logprobs(const at::Tensor& logits, const at::Tensor& ids,
                                                                   double temperature, bool return_entropy) {
   check_inputs("selective_logprobs", logits, ids, temperature);
@@ -279,34 +297,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> selective_logprobs(const at::Tens
   float *lp = logps.data_ptr<float>(), *ls = lse.data_ptr<float>(), *H = entropy.data_ptr<float>();
   const double inv_t = 1.0 / temperature;
   const bool vec = simd();
-  std::atomic<bool> bad{false};
   dispatch(logits, "selective_logprobs", [&](auto tag) {
     using T_ = decltype(tag);
     const T_* base = logits.data_ptr<T_>();
-    at::parallel_for(0, T, std::max<int64_t>(1, 16384 / V), [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t k = id[t];
-        if (k < 0 || k >= V) {
-          bad.store(true, std::memory_order_relaxed);
-          continue;
-        }
-        const T_* x = base + t * ld;
-        RowStats r;
+    for_each_row("selective_logprobs", T, V, id, [&](int64_t t, int64_t k) {
+      const T_* x = base + t * ld;
+      RowStats r;
 #ifdef GRPO_LP_HAVE_AVX512
-        if (vec)
-          r = return_entropy ? forward_row_avx512<T_, true>(x, V, float(inv_t)) : forward_row_avx512<T_, false>(x, V, float(inv_t));
-        else
+      if (vec)
+        r = return_entropy ? forward_row_avx512<T_, true>(x, V, float(inv_t)) : forward_row_avx512<T_, false>(x, V, float(inv_t));
+      else
 #endif
-          r = return_entropy ? forward_row_portable<T_, true>(x, V, float(inv_t)) : forward_row_portable<T_, false>(x, V, float(inv_t));
-        const double log_s = std::log(r.s);
-        ls[t] = static_cast<float>(r.m * inv_t + log_s);
-        lp[t] = static_cast<float>((static_cast<double>(static_cast<float>(x[k])) - r.m) * inv_t - log_s);
-        if (return_entropy) H[t] = static_cast<float>(log_s - r.u / r.s);
-      }
+        r = return_entropy ? forward_row_portable<T_, true>(x, V, float(inv_t)) : forward_row_portable<T_, false>(x, V, float(inv_t));
+      const double log_s = std::log(r.s);
+      ls[t] = static_cast<float>(r.m * inv_t + log_s);
+      lp[t] = static_cast<float>((static_cast<double>(static_cast<float>(x[k])) - r.m) * inv_t - log_s);
+      if (return_entropy) H[t] = static_cast<float>(log_s - r.u / r.s);
     });
   });
   (void)vec;
-  TORCH_CHECK(!bad.load(), "selective_logprobs: ids must lie in [0, V=", V, ")");
   return {logps, entropy, lse};
 }
 
@@ -333,37 +342,28 @@ at::Tensor selective_logprobs_backward(const at::Tensor& grad_logps, const std::
   const float *ghp = has_h ? gH.data_ptr<float>() : nullptr, *hp = has_h ? Hs.data_ptr<float>() : nullptr;
   const double inv_t = 1.0 / temperature;
   const bool vec = simd();
-  std::atomic<bool> bad{false};
   dispatch(logits, "selective_logprobs_backward", [&](auto tag) {
     using T_ = decltype(tag);
     const T_* base = logits.data_ptr<T_>();
     T_* obase = out.data_ptr<T_>();
-    at::parallel_for(0, T, std::max<int64_t>(1, 16384 / V), [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t k = id[t];
-        if (k < 0 || k >= V) {
-          bad.store(true, std::memory_order_relaxed);
-          continue;
-        }
-        const T_* x = base + t * ld;
-        T_* o = obase + t * ldo;
-        const double gt = gp[t], ght = has_h ? ghp[t] : 0.0;
-        const double a = -(gt + (has_h ? ght * hp[t] : 0.0)) * inv_t, b = -ght * inv_t;
-        const double xk = static_cast<float>(x[k]);  // read before an inplace row overwrites it
-        const float c = static_cast<float>(lp[t] * temperature), kk = static_cast<float>(c * inv_t - lp[t]);
+    for_each_row("selective_logprobs_backward", T, V, id, [&](int64_t t, int64_t k) {
+      const T_* x = base + t * ld;
+      T_* o = obase + t * ldo;
+      const double gt = gp[t], ght = has_h ? ghp[t] : 0.0;
+      const double a = -(gt + (has_h ? ght * hp[t] : 0.0)) * inv_t, b = -ght * inv_t;
+      const double xk = static_cast<float>(x[k]);  // read before an inplace row overwrites it
+      const float c = static_cast<float>(lp[t] * temperature), kk = static_cast<float>(c * inv_t - lp[t]);
 #ifdef GRPO_LP_HAVE_AVX512
-        if (vec)
-          backward_row_avx512<T_>(x, o, V, float(inv_t), c, kk, float(a), float(b));
-        else
+      if (vec)
+        backward_row_avx512<T_>(x, o, V, float(inv_t), c, kk, float(a), float(b));
+      else
 #endif
-          backward_row_portable<T_>(x, o, V, float(inv_t), c, kk, float(a), float(b));
-        const double d = std::max<double>(kMinArg, xk * inv_t - lp[t]);
-        o[k] = static_cast<T_>(static_cast<float>(std::exp(d) * (a + b * d) + gt * inv_t));
-      }
+        backward_row_portable<T_>(x, o, V, float(inv_t), c, kk, float(a), float(b));
+      const double d = std::max<double>(kMinArg, xk * inv_t - lp[t]);
+      o[k] = static_cast<T_>(static_cast<float>(std::exp(d) * (a + b * d) + gt * inv_t));
     });
   });
   (void)vec;
-  TORCH_CHECK(!bad.load(), "selective_logprobs_backward: ids must lie in [0, V=", V, ")");
   return out;
 }
 

@@ -12,7 +12,7 @@ __all__ = ["selective_logprobs"]
 _LOGIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check(logits, ids, temperature, cu_seqlens, impl):
+def _check(logits, ids, temperature, cu_seqlens, impl, flags):
     if not isinstance(logits, torch.Tensor) or logits.dtype not in _LOGIT_DTYPES:
         got = logits.dtype if isinstance(logits, torch.Tensor) else type(logits)
         raise ValueError(f"logits must be a float16/bfloat16/float32 tensor, got {got}")
@@ -28,6 +28,9 @@ def _check(logits, ids, temperature, cu_seqlens, impl):
         math.isfinite(temperature) and temperature > 0
     ):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be a bool, got {value!r}")
     if impl not in ("auto", "triton", "cpp", "reference"):
         raise ValueError(f"impl must be one of 'auto', 'triton', 'cpp', 'reference', got {impl!r}")
     if impl == "cpp" and logits.device.type != "cpu":
@@ -37,7 +40,9 @@ def _check(logits, ids, temperature, cu_seqlens, impl):
     if cu_seqlens is not None:
         if logits.dim() != 2:
             raise ValueError("cu_seqlens goes with packed logits [T, V]")
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError("cu_seqlens must be an int32 or int64 tensor")
+        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
             raise ValueError("cu_seqlens must be a 1-D tensor [num_sequences + 1]")
         if not torch.compiler.is_compiling():
             c = cu_seqlens.cpu()
@@ -77,7 +82,8 @@ def selective_logprobs(
         w.r.t. logits: the backward writes d logits = (g (onehot - p) - gH p (log p + H)) / temperature in
         one pass, from the per-token log-sum-exp saved by the forward (no [T, V] buffer is kept).
     """
-    _check(logits, ids, temperature, cu_seqlens, impl)
+    flags = dict(return_entropy=return_entropy, inplace_backward=inplace_backward)
+    _check(logits, ids, temperature, cu_seqlens, impl, flags)
     shape = ids.shape
     flat = logits.reshape(-1, logits.shape[-1])
     if flat.shape[0] and flat.stride(-1) != 1:
@@ -90,7 +96,7 @@ def selective_logprobs(
     elif impl == "triton" and flat.device.type == "cpu":
         logps, entropy, _ = _ops.TritonDirect.apply(flat, flat_ids, temperature, return_entropy, inplace_backward)
     else:
-        args = (flat, flat_ids, temperature, return_entropy, bool(inplace_backward))
+        args = (flat, flat_ids, temperature, return_entropy, inplace_backward)
         logps, entropy, _ = torch.ops.grpo_kernels.selective_logprobs(*args)
     if return_entropy:
         return logps.reshape(shape), entropy.reshape(shape)

@@ -66,3 +66,8 @@ def assert_lowp_no_worse(actual, torch_lowp, oracle, *, name: str, factor: float
             f"{name}: max error {ours.max().item():.3g} exceeds {factor} x PyTorch's low-precision error "
             f"{theirs.max().item():.3g} (+{floor:g})\nworst:\n{_worst(a, o, ours)}"
         )
+
+
+def device_for(impl: str, triton_device: str) -> str:
+    """Where a backend's tests put their tensors: the Triton device for "triton", the CPU for the C++ ones."""
+    return triton_device if impl == "triton" else "cpu"

@@ -4,7 +4,7 @@ import contextlib
 
 import pytest
 import torch
-from helpers import assert_close, assert_lowp_no_worse
+from helpers import assert_close, assert_lowp_no_worse, device_for
 
 import grpo_kernels
 from grpo_kernels import reference
@@ -12,10 +12,6 @@ from grpo_kernels.ops import advantages as ops
 
 # "cpp-portable" is the C++ backend with its AVX-512 paths switched off (the code other CPUs run).
 IMPLS = ["cpp", "cpp-portable", "triton"]
-
-
-def device_for(impl: str, triton_device: str) -> str:
-    return triton_device if impl == "triton" else "cpu"
 
 
 @contextlib.contextmanager
@@ -248,6 +244,23 @@ def test_gradients_match_reference(impl, triton_device, scale, std):
     gr, gw = torch.autograd.grad(loss, (r, w))
     assert_close(gr, ref_gr, name="grad rewards", rtol=1e-4, atol=1e-4)
     assert_close(gw, ref_gw, name="grad weights", rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_gradients_no_worse_than_pytorch(impl, triton_device, dtype):
+    dev = device_for(impl, triton_device)
+    rewards = (torch.randn(48, 2) * 2).to(dtype)
+    g_adv = torch.randn(48, dtype=torch.float64)
+    r64 = rewards.double().requires_grad_()
+    (ref_g,) = torch.autograd.grad((reference.group_advantages(r64, group_size=8).advantages * g_adv).sum(), r64)
+    rt = rewards.clone().requires_grad_()  # PyTorch's own autograd in bf16/fp16
+    torch_adv = reference.group_advantages(rt, group_size=8).advantages
+    (torch_g,) = torch.autograd.grad((torch_adv * g_adv.to(dtype)).sum(), rt)
+    r = rewards.to(dev).requires_grad_()
+    (g,) = torch.autograd.grad((advantages(r, impl, group_size=8).advantages * g_adv.float().to(dev)).sum(), r)
+    assert g.dtype == dtype
+    assert_lowp_no_worse(g, torch_g, ref_g, name="grad rewards")
 
 
 # --------------------------------------------------------------------------------------- op contract

@@ -2,17 +2,13 @@
 
 import pytest
 import torch
-from helpers import assert_close, assert_lowp_no_worse
+from helpers import assert_close, assert_lowp_no_worse, device_for
 
 import grpo_kernels
 from grpo_kernels import reference
 
 # "cpp-portable" is the C++ backend with its AVX-512 path switched off (the code other CPUs run).
 IMPLS = ["cpp", "cpp-portable", "triton"]
-
-
-def device_for(impl: str, triton_device: str) -> str:
-    return triton_device if impl == "triton" else "cpu"
 
 
 def logprobs(logits, ids, impl: str, **kw):
@@ -85,6 +81,23 @@ def test_low_precision_logits_no_worse_than_pytorch(impl, triton_device, dtype):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_backward_no_worse_than_pytorch(impl, triton_device, dtype):
+    dev = device_for(impl, triton_device)
+    logits, ids = make(6, 301, dtype)
+    g, g_h = torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    _, _, ref_dx = oracle(logits, ids, 0.8, (g, g_h))
+    x = logits.to(dev).requires_grad_()
+    logps, entropy = logprobs(x, ids.to(dev), impl, temperature=0.8, return_entropy=True)
+    (dx,) = torch.autograd.grad((logps * g.float().to(dev)).sum() + (entropy * g_h.float().to(dev)).sum(), x)
+    assert dx.dtype == dtype
+    xt = logits.clone().requires_grad_()  # PyTorch's own autograd in bf16/fp16
+    t_lp, t_h = reference.selective_logprobs(xt, ids, temperature=0.8, return_entropy=True)
+    (t_dx,) = torch.autograd.grad((t_lp * g.to(dtype)).sum() + (t_h * g_h.to(dtype)).sum(), xt)
+    assert_lowp_no_worse(dx, t_dx, ref_dx, name="d logits")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_extreme_logits_stay_finite_and_exact(impl, triton_device):
     dev = device_for(impl, triton_device)
     logits = torch.randn(4, 50) * 1e4  # the online max matters
@@ -115,6 +128,9 @@ def test_non_contiguous_rows(impl, triton_device):
         (dict(temperature=float("inf")), "temperature must be"),
         (dict(impl="cuda"), "impl must be one of"),
         (dict(cu_seqlens=torch.tensor([0, 2, 5])), "rise from 0 to T=6"),
+        (dict(cu_seqlens=torch.tensor([0.0, 6.0])), "cu_seqlens must be an int32 or int64"),
+        (dict(return_entropy=1), "return_entropy must be a bool"),
+        (dict(inplace_backward="yes"), "inplace_backward must be a bool"),
     ],
 )
 def test_bad_arguments_raise_value_error(kwargs, match):

@@ -21,9 +21,9 @@ shape and whether offsets are given are compile-time.
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
 from .. import _C
+from ._triton import require_triton_device
 
 SCALE_MODES = {"group": 0, "batch": 1, "none": 2}
 TILE = 1024
@@ -145,11 +145,7 @@ def group_advantages_triton(
     min_std: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the Triton kernel. `rewards` [N, K] any strides, `weights` [K] fp32, offsets int32/int64."""
-    if rewards.device.type == "cpu" and isinstance(_group_advantages_kernel, JITFunction):
-        raise RuntimeError(
-            "the Triton backend runs CPU tensors only in the Triton interpreter: set TRITON_INTERPRET=1 before "
-            "importing grpo_kernels, or use impl='cpp'"
-        )
+    require_triton_device(_group_advantages_kernel, rewards)
     n = rewards.shape[0]
     num_groups = _num_groups(rewards, group_offsets, group_size)
     dev = rewards.device

@@ -13,9 +13,9 @@ Everything is accumulated in fp32; the temperature is a runtime argument.
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
 from .. import _C
+from ._triton import require_triton_device
 
 MAX_BLOCK_V = 4096
 
@@ -97,17 +97,9 @@ def _num_warps(block_v: int) -> int:
     return 8 if block_v >= 2048 else 4
 
 
-def _require_triton_device(t: torch.Tensor) -> None:
-    if t.device.type == "cpu" and isinstance(_logprobs_fwd_kernel, JITFunction):
-        raise RuntimeError(
-            "the Triton backend runs CPU tensors only in the Triton interpreter: set TRITON_INTERPRET=1 before "
-            "importing grpo_kernels, or use impl='cpp'"
-        )
-
-
 def logprobs_fwd_triton(logits, ids, temperature: float, return_entropy: bool):
     """logits [T, V] (last dim contiguous), ids [T] int64 -> (logps [T] f32, entropy [T] or [0] f32, lse [T] f32)."""
-    _require_triton_device(logits)
+    require_triton_device(_logprobs_fwd_kernel, logits)
     t, v = logits.shape
     logps = torch.empty(t, dtype=torch.float32, device=logits.device)
     lse = torch.empty(t, dtype=torch.float32, device=logits.device)
@@ -123,7 +115,7 @@ def logprobs_fwd_triton(logits, ids, temperature: float, return_entropy: bool):
 
 def logprobs_bwd_triton(grad_logps, grad_entropy, logits, ids, lse, entropy, temperature: float, inplace: bool):
     """dlogits [T, V] in logits' dtype (written into logits when inplace)."""
-    _require_triton_device(logits)
+    require_triton_device(_logprobs_fwd_kernel, logits)
     t, v = logits.shape
     out = logits if inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
     has_h = grad_entropy is not None

@@ -29,6 +29,7 @@ test: setup lint
 bench: setup
 	$(PY) benchmarks/bench_advantages.py
 	$(PY) benchmarks/bench_logprobs.py
+	$(PY) benchmarks/bench_loss.py
 
 lint: $(STAMP)
 	.venv/bin/ruff check grpo_kernels tests benchmarks setup.py

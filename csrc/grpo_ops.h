@@ -8,3 +8,6 @@ void init_advantages(pybind11::module_& m);
 
 // csrc/logprobs.cpp: selective_logprobs, selective_logprobs_backward, set_logprobs_simd, logprobs_simd.
 void init_logprobs(pybind11::module_& m);
+
+// csrc/loss.cpp: grpo_loss_fwd, grpo_loss_bwd, set_loss_simd, loss_simd.
+void init_loss(pybind11::module_& m);

@@ -21,8 +21,9 @@
 //     __builtin_cpu_supports, functions carry __attribute__((target)), no global -m flags): 16 lanes, each
 //     with its own running max. Chunks of 8 vectors (128 logits) are loaded into registers, their max
 //     updates m (the rescale, one vector exp, only runs when some lane's max grew), then exp of all 8.
-//     exp: x = n ln2 + r (two-constant Cody-Waite, |r| <= ln2/2), degree-6 polynomial (fitted for
-//     relative error, ~1 ulp), 2^n by _mm512_scalef_ps (exact underflow to 0 / denormals).
+//     exp (exp16 in simd_avx512.h, shared with loss.cpp): x = n ln2 + r (two-constant Cody-Waite,
+//     |r| <= ln2/2), degree-6 polynomial (fitted for relative error, ~1 ulp), 2^n by _mm512_scalef_ps
+//     (exact underflow to 0 / denormals).
 //     The tail of a row uses masked loads (filler -FLT_MAX) and masked accumulation.
 //   * Precision: exps and per-chunk sums (8 terms per lane) in fp32; per-lane running s and u in fp64
 //     (the chunk sums are widened and added: a few ops per 128 logits); the lane combination and the final
@@ -32,6 +33,7 @@
 //     blocks of 64 and fp64 accumulators.
 
 #include "grpo_ops.h"
+#include "simd_avx512.h"
 
 #include <ATen/Parallel.h>
 
@@ -43,11 +45,6 @@
 #include <optional>
 #include <tuple>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define GRPO_LP_HAVE_AVX512 1
-#define GRPO_LP_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq")))
-#endif
 
 namespace grpo::logprobs {
 
@@ -56,10 +53,8 @@ constexpr float kMinArg = -120.f;  // exp(-120) underflows to 0 in fp32
 inline std::atomic<bool> simd_enabled{true};
 
 inline bool simd() {
-#ifdef GRPO_LP_HAVE_AVX512
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
-  return ok && simd_enabled.load(std::memory_order_relaxed);
+#ifdef GRPO_HAVE_AVX512
+  return simd::cpu_has_avx512() && simd_enabled.load(std::memory_order_relaxed);
 #else
   return false;
 #endif
@@ -109,75 +104,17 @@ void backward_row_portable(const T* x, T* out, int64_t V, float inv_t, float c, 
 }
 
 // ---- AVX-512 path --------------------------------------------------------------------------------------
-#ifdef GRPO_LP_HAVE_AVX512
-GRPO_LP_AVX512 inline __m512 exp16(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.442695041f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(6.931471825e-01f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-1.904654212e-09f), r);
-  __m512 p = _mm512_set1_ps(1.381459995e-03f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.368710056e-03f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.166838899e-02f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.666652113e-01f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.999999404e-01f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
-inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? 0xFFFF : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1); }
-
-// 16 logits <-> fp32 registers. load(p, k, fill): lanes outside k read as fill and are never touched.
-template <typename T>
-struct Io;
-template <>
-struct Io<float> {
-  GRPO_LP_AVX512 static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
-  GRPO_LP_AVX512 static __m512 load(const float* p, __mmask16 k, __m512 fill) { return _mm512_mask_loadu_ps(fill, k, p); }
-  GRPO_LP_AVX512 static void store(float* p, __m512 v, __mmask16 k) { _mm512_mask_storeu_ps(p, k, v); }
-};
-template <>
-struct Io<c10::BFloat16> {
-  GRPO_LP_AVX512 static __m512 widen(__m256i h) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-  GRPO_LP_AVX512 static __m512 load(const c10::BFloat16* p) { return widen(_mm256_loadu_si256((const __m256i*)p)); }
-  GRPO_LP_AVX512 static __m512 load(const c10::BFloat16* p, __mmask16 k, __m512 fill) {
-    return _mm512_mask_blend_ps(k, fill, widen(_mm256_maskz_loadu_epi16(k, p)));
-  }
-  GRPO_LP_AVX512 static void store(c10::BFloat16* p, __m512 v, __mmask16 k) {  // round to nearest even
-    const __m512i x = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
-    __m512i r = _mm512_add_epi32(x, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
-                                                     _mm512_and_si512(_mm512_srli_epi32(x, 16), one)));
-    r = _mm512_mask_mov_epi32(_mm512_srli_epi32(r, 16), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                              _mm512_set1_epi32(0x7FC0));
-    _mm256_mask_storeu_epi16(p, k, _mm512_cvtepi32_epi16(r));
-  }
-};
-template <>
-struct Io<c10::Half> {
-  GRPO_LP_AVX512 static __m512 load(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
-  GRPO_LP_AVX512 static __m512 load(const c10::Half* p, __mmask16 k, __m512 fill) {
-    return _mm512_mask_blend_ps(k, fill, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p)));
-  }
-  GRPO_LP_AVX512 static void store(c10::Half* p, __m512 v, __mmask16 k) {
-    _mm256_mask_storeu_epi16(p, k, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
-};
+#ifdef GRPO_HAVE_AVX512
+using namespace grpo::simd;  // exp16, tail_mask, Io, add_wide (simd_avx512.h)
 
 struct Acc {  // per lane: running max m (raw logits), s and u in fp64 (lanes 0-7 in [0], 8-15 in [1])
   __m512 m;
   __m512d s[2], u[2];
 };
 
-GRPO_LP_AVX512 inline void add_wide(__m512d* acc, __m512 v) {
-  acc[0] = _mm512_add_pd(acc[0], _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
-  acc[1] = _mm512_add_pd(acc[1], _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1)));
-}
-
 // One chunk of 8 vectors (128 logits; with kTail only the first n exist).
 template <typename T, bool kEnt, bool kTail>
-GRPO_LP_AVX512 inline void forward_chunk(const T* x, int64_t n, __m512 inv_t, Acc& a) {
+GRPO_AVX512 inline void forward_chunk(const T* x, int64_t n, __m512 inv_t, Acc& a) {
   constexpr int kU = 8;
   const __m512 lowest = _mm512_set1_ps(-FLT_MAX), lo = _mm512_set1_ps(kMinArg);
   __m512 v[kU];
@@ -209,7 +146,7 @@ GRPO_LP_AVX512 inline void forward_chunk(const T* x, int64_t n, __m512 inv_t, Ac
 }
 
 template <typename T, bool kEnt>
-GRPO_LP_AVX512 RowStats forward_row_avx512(const T* x, int64_t V, float inv_t_f) {
+GRPO_AVX512 RowStats forward_row_avx512(const T* x, int64_t V, float inv_t_f) {
   const __m512 inv_t = _mm512_set1_ps(inv_t_f);
   Acc a{_mm512_set1_ps(-FLT_MAX), {_mm512_setzero_pd(), _mm512_setzero_pd()}, {_mm512_setzero_pd(), _mm512_setzero_pd()}};
   int64_t j = 0;
@@ -232,7 +169,7 @@ GRPO_LP_AVX512 RowStats forward_row_avx512(const T* x, int64_t V, float inv_t_f)
 }
 
 template <typename T>
-GRPO_LP_AVX512 void backward_row_avx512(const T* x, T* out, int64_t V, float inv_t_f, float c_f, float k_f,
+GRPO_AVX512 void backward_row_avx512(const T* x, T* out, int64_t V, float inv_t_f, float c_f, float k_f,
                                         float a_f, float b_f) {
   const __m512 inv_t = _mm512_set1_ps(inv_t_f), c = _mm512_set1_ps(c_f), k_ = _mm512_set1_ps(k_f),
                a = _mm512_set1_ps(a_f),
@@ -244,7 +181,7 @@ GRPO_LP_AVX512 void backward_row_avx512(const T* x, T* out, int64_t V, float inv
     Io<T>::store(out + j, _mm512_mul_ps(exp16(d), _mm512_fmadd_ps(b, d, a)), k);
   }
 }
-#endif  // GRPO_LP_HAVE_AVX512
+#endif  // GRPO_HAVE_AVX512
 
 // ---- ops -----------------------------------------------------------------------------------------------
 template <typename F>
@@ -303,7 +240,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> selective_logprobs(const at::Tens
     for_each_row("selective_logprobs", T, V, id, [&](int64_t t, int64_t k) {
       const T_* x = base + t * ld;
       RowStats r;
-#ifdef GRPO_LP_HAVE_AVX512
+#ifdef GRPO_HAVE_AVX512
       if (vec)
         r = return_entropy ? forward_row_avx512<T_, true>(x, V, float(inv_t)) : forward_row_avx512<T_, false>(x, V, float(inv_t));
       else
@@ -353,7 +290,7 @@ at::Tensor selective_logprobs_backward(const at::Tensor& grad_logps, const std::
       const double a = -(gt + (has_h ? ght * hp[t] : 0.0)) * inv_t, b = -ght * inv_t;
       const double xk = static_cast<float>(x[k]);  // read before an inplace row overwrites it
       const float c = static_cast<float>(lp[t] * temperature), kk = static_cast<float>(c * inv_t - lp[t]);
-#ifdef GRPO_LP_HAVE_AVX512
+#ifdef GRPO_HAVE_AVX512
       if (vec)
         backward_row_avx512<T_>(x, o, V, float(inv_t), c, kk, float(a), float(b));
       else

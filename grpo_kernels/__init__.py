@@ -17,8 +17,20 @@ except ImportError as exc:  # a clear message instead of a later AttributeError
 from . import ops, reference, theory
 from .advantages import group_advantages
 from .logprobs import selective_logprobs
+from .loss import GRPOLoss, grpo_loss, grpo_loss_from_logits
 from .types import GroupAdvantages
 
 __version__ = "0.1.0"
 
-__all__ = ["GroupAdvantages", "group_advantages", "ops", "reference", "selective_logprobs", "theory", "__version__"]
+__all__ = [
+    "GRPOLoss",
+    "GroupAdvantages",
+    "__version__",
+    "group_advantages",
+    "grpo_loss",
+    "grpo_loss_from_logits",
+    "ops",
+    "reference",
+    "selective_logprobs",
+    "theory",
+]

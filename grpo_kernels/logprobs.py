@@ -5,6 +5,7 @@ import math
 import torch
 
 from . import reference
+from ._checks import check_cu_seqlens, check_impl
 from .ops import logprobs as _ops
 
 __all__ = ["selective_logprobs"]
@@ -24,30 +25,20 @@ def _check(logits, ids, temperature, cu_seqlens, impl, flags):
         raise ValueError(f"ids must have shape {tuple(logits.shape[:-1])} (logits without V), got {tuple(ids.shape)}")
     if ids.device != logits.device:
         raise ValueError(f"ids are on {ids.device} but logits are on {logits.device}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-        math.isfinite(temperature) and temperature > 0
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not (math.isfinite(temperature) and temperature > 0)
     ):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be a bool, got {value!r}")
-    if impl not in ("auto", "triton", "cpp", "reference"):
-        raise ValueError(f"impl must be one of 'auto', 'triton', 'cpp', 'reference', got {impl!r}")
-    if impl == "cpp" and logits.device.type != "cpu":
-        raise ValueError(f"impl='cpp' runs CPU tensors only; logits are on {logits.device}")
-    if impl == "auto" and logits.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"no grpo_kernels backend for {logits.device} tensors (CPU and CUDA only)")
+    check_impl(impl, logits.device, "logits")
     if cu_seqlens is not None:
         if logits.dim() != 2:
             raise ValueError("cu_seqlens goes with packed logits [T, V]")
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise ValueError("cu_seqlens must be an int32 or int64 tensor")
-        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
-            raise ValueError("cu_seqlens must be a 1-D tensor [num_sequences + 1]")
-        if not torch.compiler.is_compiling():
-            c = cu_seqlens.cpu()
-            if c[0] != 0 or c[-1] != logits.shape[0] or bool((c.diff() < 0).any()):
-                raise ValueError(f"cu_seqlens must rise from 0 to T={logits.shape[0]}, got {c.tolist()[:8]}...")
+        check_cu_seqlens(cu_seqlens, logits.shape[0], logits.device)
     if ids.numel() and not torch.compiler.is_compiling():
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= logits.shape[-1]:

@@ -166,7 +166,7 @@ def grpo_loss(
     """
     if cu_seqlens is not None:
         packed = {"logps": logps, "old": old_logps, "ref": ref_logps, "sampler": sampler_logps, "mask": mask}
-        if advantages.shape[0] == logps.shape[0]:  # per token (if B == T both readings give the same loss)
+        if advantages.shape[0] == logps.shape[0]:  # per token (when B == T, too: read per token)
             packed["adv"] = advantages
         padded = {k: None if v is None else unpack(v, cu_seqlens) for k, v in packed.items()}
         valid = unpack(torch.ones_like(logps), cu_seqlens)

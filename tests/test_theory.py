@@ -5,9 +5,7 @@ import pytest
 from grpo_kernels import theory
 
 
-@pytest.mark.parametrize(
-    "g,p,percent", [(4, 0.2, 41.1), (16, 0.2, 2.8), (4, 0.5, 12.5), (8, 0.5, 0.78)]
-)
+@pytest.mark.parametrize("g,p,percent", [(4, 0.2, 41.1), (16, 0.2, 2.8), (4, 0.5, 12.5), (8, 0.5, 0.78)])
 def test_invalid_group_rate_reproduces_paper_figures(g, p, percent):
     assert round(100 * theory.invalid_group_rate(g, p), 2 if percent < 1 else 1) == percent
 

@@ -4,6 +4,6 @@ Importing this package registers every op. `KERNELS` (in `registry`) lists every
 example arguments, for the ahead-of-time Hopper compile check.
 """
 
-from . import advantages, logprobs
+from . import advantages, logprobs, loss
 
-__all__ = ["advantages", "logprobs"]
+__all__ = ["advantages", "logprobs", "loss"]

@@ -18,7 +18,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 
-from . import advantages, logprobs
+from . import advantages, logprobs, loss
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,16 +79,76 @@ def _logprobs_variants() -> list[KernelVariant]:
         }  # fmt: skip
         label = f"{dtype},{'entropy' if entropy else 'no entropy'},V{block}"
         warps = logprobs._num_warps(block)
-        variants.append(KernelVariant(kernel=logprobs._logprobs_fwd_kernel, label=label, signature=fwd,
-                                      constexprs={"RETURN_ENTROPY": entropy, "BLOCK_V": block}, num_warps=warps))
-        variants.append(KernelVariant(kernel=logprobs._logprobs_bwd_kernel, label=label, signature=bwd,
-                                      constexprs={"HAS_GRAD_ENTROPY": entropy, "BLOCK_V": block}, num_warps=warps))
+        variants.append(
+            KernelVariant(
+                kernel=logprobs._logprobs_fwd_kernel,
+                label=label,
+                signature=fwd,
+                constexprs={"RETURN_ENTROPY": entropy, "BLOCK_V": block},
+                num_warps=warps,
+            )
+        )
+        variants.append(
+            KernelVariant(
+                kernel=logprobs._logprobs_bwd_kernel,
+                label=label,
+                signature=bwd,
+                constexprs={"HAS_GRAD_ENTROPY": entropy, "BLOCK_V": block},
+                num_warps=warps,
+            )
+        )
+    return variants
+
+
+def _loss_variants() -> list[KernelVariant]:
+    tiles = {"BLOCK": loss.BLOCK, "CHUNK": loss.CHUNK}
+    variants = []
+    for dtype, has_old, has_sampler, has_mask in [("fp32", True, True, True), ("bf16", False, False, False)]:
+        sig = {
+            "logp_ptr": f"*{dtype}", "old_ptr": "*fp32", "sampler_ptr": "*fp32", "mask_ptr": "*fp32",
+            "cu_ptr": "*i64", "partial_ptr": "*fp32", "num_chunks": "i32",
+            "HAS_OLD": "constexpr", "HAS_SAMPLER": "constexpr", "HAS_MASK": "constexpr", "BLOCK": "constexpr",
+            "CHUNK": "constexpr",
+        }  # fmt: skip
+        flags = {"HAS_OLD": has_old, "HAS_SAMPLER": has_sampler, "HAS_MASK": has_mask}
+        label = f"{dtype},old={has_old},sampler={has_sampler},mask={has_mask}"
+        variants.append(KernelVariant(kernel=loss._grpo_seq_stats_kernel, label=label, signature=sig,
+                                      constexprs={**flags, **tiles}, num_warps=loss.NUM_WARPS))  # fmt: skip
+    for dtype, family, seq, old, kl, sampler, mask, per_token in [
+        ("fp32", "dapo", False, True, True, False, True, False),
+        ("bf16", "grpo", True, True, True, True, True, True),
+        ("fp32", "cispo", False, True, True, True, True, False),
+        ("bf16", "sapo", False, False, False, True, False, False),
+    ]:
+        sig = {
+            "logp_ptr": f"*{dtype}", "old_ptr": "*fp32", "ref_ptr": "*fp32", "sampler_ptr": "*fp32", "adv_ptr": "*fp32",
+            "mask_ptr": "*fp32", "cu_ptr": "*i64", "seq_logw_ptr": "*fp32", "seq_is_ptr": "*fp32", "coef_ptr": "*fp32",
+            "partial_ptr": "*fp32", "num_chunks": "i32", "eps_low": "fp32", "eps_high": "fp32", "delta": "fp32",
+            "beta": "fp32", "bias_kl": "i32", "sampler_cap": "fp32", "sampler_truncate": "i32",
+            "sampler_per_seq": "i32", "tau_pos": "fp32", "tau_neg": "fp32",
+            **dict.fromkeys(("LOSS", "SEQ_LEVEL", "HAS_OLD", "HAS_KL", "HAS_SAMPLER", "HAS_MASK", "ADV_PER_TOKEN",
+                             "BLOCK", "CHUNK"), "constexpr"),
+        }  # fmt: skip
+        flags = {"LOSS": loss.LOSS_FAMILIES[family], "SEQ_LEVEL": seq, "HAS_OLD": old, "HAS_KL": kl,
+                 "HAS_SAMPLER": sampler, "HAS_MASK": mask, "ADV_PER_TOKEN": per_token}  # fmt: skip
+        label = f"{dtype},{family},{'sequence' if seq else 'token'},old={old},kl={kl},sampler={sampler}"
+        variants.append(KernelVariant(kernel=loss._grpo_loss_fwd_kernel, label=label, signature=sig,
+                                      constexprs={**flags, **tiles}, num_warps=loss.NUM_WARPS))  # fmt: skip
+    for dtype, seq, mask in [("fp32", True, True), ("bf16", False, False)]:
+        sig = {
+            "a_ptr": "*fp32", "b_ptr": "*fp32", "coef_ptr": "*fp32", "mask_ptr": "*fp32", "cu_ptr": "*i64",
+            "grad_ptr": f"*{dtype}", "num_chunks": "i32", "SEQ_LEVEL": "constexpr", "HAS_MASK": "constexpr",
+            "BLOCK": "constexpr", "CHUNK": "constexpr",
+        }  # fmt: skip
+        variants.append(KernelVariant(kernel=loss._grpo_loss_bwd_kernel, label=f"{dtype},seq={seq},mask={mask}",
+                                      signature=sig, constexprs={"SEQ_LEVEL": seq, "HAS_MASK": mask, **tiles},
+                                      num_warps=loss.NUM_WARPS))  # fmt: skip
     return variants
 
 
 def kernel_variants() -> list[KernelVariant]:
     """All compile variants of all launched kernels."""
-    return _advantages_variants() + _logprobs_variants()
+    return _advantages_variants() + _logprobs_variants() + _loss_variants()
 
 
 def uncovered_kernels() -> list[str]:

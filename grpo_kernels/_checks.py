@@ -1,0 +1,43 @@
+"""Argument checks shared by the public functions (each raises ValueError naming the argument)."""
+
+import torch
+
+IMPLS = ("auto", "triton", "cpp", "reference")
+
+
+def check_impl(impl: str, device: torch.device, what: str) -> None:
+    """impl is a known backend that can run tensors on `device` (`what` names the tensor in the message)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(map(repr, IMPLS))}, got {impl!r}")
+    if impl == "cpp" and device.type != "cpu":
+        raise ValueError(f"impl='cpp' runs CPU tensors only; {what} are on {device}")
+    if impl == "triton" and device.type not in ("cpu", "cuda"):
+        raise ValueError(f"impl='triton' runs CUDA tensors (or CPU under TRITON_INTERPRET=1), not {device}")
+    if impl == "auto" and device.type not in ("cpu", "cuda"):
+        raise ValueError(f"no grpo_kernels backend for {device} tensors (CPU and CUDA only)")
+
+
+def check_cu_seqlens(cu_seqlens, total: int, device: torch.device, *, max_seqlen: int | None = None) -> int:
+    """cu_seqlens is an int tensor [num_seqs + 1] rising from 0 to `total`; returns the longest sequence.
+
+    The values are checked on a host copy (skipped under torch.compile, where `max_seqlen`, when not given,
+    falls back to `total`).
+    """
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError("cu_seqlens must be an int32 or int64 tensor")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must be a 1-D tensor [num_sequences + 1], got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but the data are on {device}")
+    if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0):
+        raise ValueError(f"max_seqlen must be an int >= 0, got {max_seqlen!r}")
+    if torch.compiler.is_compiling():
+        return total if max_seqlen is None else max_seqlen
+    c = cu_seqlens.cpu()
+    steps = c.diff()
+    if c[0] != 0 or c[-1] != total or bool((steps < 0).any()):
+        raise ValueError(f"cu_seqlens must rise from 0 to T={total} without decreasing, got {c.tolist()[:8]}...")
+    longest = int(steps.max())
+    if max_seqlen is not None and max_seqlen < longest:
+        raise ValueError(f"max_seqlen={max_seqlen} is shorter than the longest sequence ({longest})")
+    return longest if max_seqlen is None else max_seqlen

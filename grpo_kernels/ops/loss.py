@@ -1,0 +1,400 @@
+"""The GRPO policy loss (ratio / clip / KL / sampler correction): Triton kernels, launchers, registration, autograd.
+
+Design. Every input is a flat token vector [T] (padded [B, L] is flattened; its row starts are s * L) and the
+sequence s owns tokens cu_seqlens[s] .. cu_seqlens[s+1]. A program handles CHUNK tokens of one sequence
+(grid axis 0 = num_seqs * num_chunks, so any T up to 2^31 - 1) and writes per-(sequence, chunk) partial sums,
+which are added in a fixed order afterwards: the forward is deterministic, with no atomics.
+
+    forward  (1) only for GSPO or a sequence-level sampler correction: per-sequence sums of m (logp - old),
+                 m and m (old - sampler), turned into the sequence's log-ratio and sampler weight;
+             (2) per token: the loss term l_t and the token's own derivative, stored as one fp32 coefficient
+                 coef_t = m_t dl_t/dlogp_t (token level) or m_t (the direct part) (sequence level), plus the
+                 partial sums of m l, m, m dl/dw (GSPO), and the metric numerators.
+    backward d loss / d logp_t = a_s coef_t + b_s m_t, one elementwise pass: a_s = d loss / d (sum_t m l) of the
+             sequence (the normalizer, from autograd on the [B] sums) and, for GSPO, b_s = a_s w_s S_s / n_s
+             with S_s = sum_t m dl/dw_s.
+
+The op returns stats [B, NUM_STATS] (per sequence: the columns named in STATS) and coef [T]; the public
+function (grpo_kernels.loss) turns stats into the loss with TRL's normalizer and into the metrics.
+Hyperparameters (epsilons, delta, beta, the sampler cap, the SAPO temperatures) are runtime arguments; the
+constexprs are the loss family and which inputs exist. Everything is computed in fp32.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import _C
+from ._triton import require_triton_device
+
+# Columns of the per-sequence stats. The kernel writes the first NUM_KERNEL_STATS; the launcher appends the
+# sequence's log importance weight (GSPO; 0 at token level).
+STATS = ("loss", "count", "dl_dw", "clip_low", "clip_high", "clip_region", "ratio", "kl", "sampler_abs_diff",
+         "log_w")  # fmt: skip
+NUM_KERNEL_STATS = 9
+NUM_STATS = len(STATS)
+LOSS_FAMILIES = {"grpo": 0, "bnpo": 0, "dr_grpo": 0, "dapo": 0, "cispo": 1, "sapo": 2}
+SAMPLER_MODES = {"token_truncate": 0, "token_mask": 1, "sequence_truncate": 2, "sequence_mask": 3}
+BLOCK = 1024
+CHUNK = 4 * BLOCK
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+NUM_WARPS = 8
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _sampler_weight(diff, cap, truncate):
+    """exp(nan_to_num(diff)), truncated at cap or zeroed above it (TRL's vLLM importance-sampling modes)."""
+    diff = tl.where(diff != diff, 0.0, tl.minimum(tl.maximum(diff, -FLT_MAX), FLT_MAX))
+    r = tl.exp(diff)
+    return tl.where(truncate != 0, tl.minimum(r, cap), tl.where(r > cap, 0.0, r))
+
+
+@triton.jit
+def _grpo_seq_stats_kernel(
+    logp_ptr, old_ptr, sampler_ptr, mask_ptr, cu_ptr, partial_ptr, num_chunks,
+    HAS_OLD: tl.constexpr, HAS_SAMPLER: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Per (sequence, chunk): sum m (logp - old), sum m, sum nan_to_num(m (old - sampler))."""
+    pid = tl.program_id(0).to(tl.int64)
+    seq = pid // num_chunks
+    start = tl.load(cu_ptr + seq).to(tl.int64)
+    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    chunk_start = start + (pid % num_chunks) * CHUNK
+    acc_lr = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_n = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_is = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(0, CHUNK, BLOCK):
+        offs = chunk_start + i + tl.arange(0, BLOCK)
+        inb = offs < end
+        m = tl.load(mask_ptr + offs, mask=inb, other=0.0) if HAS_MASK else tl.where(inb, 1.0, 0.0)
+        lp = tl.load(logp_ptr + offs, mask=inb, other=0.0).to(tl.float32)
+        old = tl.load(old_ptr + offs, mask=inb, other=0.0) if HAS_OLD else lp
+        on = m != 0.0
+        acc_lr += tl.where(on, (lp - old) * m, 0.0)
+        acc_n += m
+        if HAS_SAMPLER:
+            d = (old - tl.load(sampler_ptr + offs, mask=inb, other=0.0)) * m
+            d = tl.where(d != d, 0.0, tl.minimum(tl.maximum(d, -FLT_MAX), FLT_MAX))
+            acc_is += tl.where(inb, d, 0.0)
+    out = partial_ptr + pid * 3
+    tl.store(out, tl.sum(acc_lr, axis=0))
+    tl.store(out + 1, tl.sum(acc_n, axis=0))
+    tl.store(out + 2, tl.sum(acc_is, axis=0))
+
+
+@triton.jit
+def _grpo_loss_fwd_kernel(
+    logp_ptr, old_ptr, ref_ptr, sampler_ptr, adv_ptr, mask_ptr, cu_ptr, seq_logw_ptr, seq_is_ptr,
+    coef_ptr, partial_ptr, num_chunks,
+    eps_low, eps_high, delta, beta, bias_kl, sampler_cap, sampler_truncate, sampler_per_seq, tau_pos, tau_neg,
+    LOSS: tl.constexpr, SEQ_LEVEL: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr,
+    HAS_SAMPLER: tl.constexpr, HAS_MASK: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)
+    seq = pid // num_chunks
+    start = tl.load(cu_ptr + seq).to(tl.int64)
+    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    chunk_start = start + (pid % num_chunks) * CHUNK
+    if SEQ_LEVEL:
+        seq_logw = tl.load(seq_logw_ptr + seq)
+    if HAS_SAMPLER:
+        seq_is = tl.load(seq_is_ptr + seq)
+    if not ADV_PER_TOKEN:
+        seq_adv = tl.load(adv_ptr + seq)
+    acc_loss = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_n = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_dw = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_low = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_high = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_region = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_ratio = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_kl = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_diff = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(0, CHUNK, BLOCK):
+        offs = chunk_start + i + tl.arange(0, BLOCK)
+        inb = offs < end
+        m = tl.load(mask_ptr + offs, mask=inb, other=0.0) if HAS_MASK else tl.where(inb, 1.0, 0.0)
+        on = m != 0.0
+        lp = tl.load(logp_ptr + offs, mask=inb, other=0.0).to(tl.float32)
+        old = tl.load(old_ptr + offs, mask=inb, other=0.0) if HAS_OLD else lp
+        # (a scalar advantage is broadcast to the block: the interpreter cannot `&` a scalar and a block mask)
+        adv = tl.load(adv_ptr + offs, mask=inb, other=0.0) if ADV_PER_TOKEN else seq_adv + tl.zeros_like(lp)
+        w = tl.exp(seq_logw + tl.zeros_like(lp)) if SEQ_LEVEL else tl.exp(lp - old)
+        # The policy term l = pol(w), its derivative in w, and its direct derivative in logp.
+        if LOSS == 0:  # grpo / bnpo / dr_grpo / dapo: -min(min(w, delta) A, clip(w) A), ties split as torch.min
+            w_m = tl.minimum(w, delta)
+            clipped = tl.minimum(tl.maximum(w, 1.0 - eps_low), 1.0 + eps_high)
+            a1 = w_m * adv
+            a2 = clipped * adv
+            pol = -tl.minimum(a1, a2)
+            g1 = tl.where(w <= delta, -adv, 0.0)
+            g2 = tl.where((w >= 1.0 - eps_low) & (w <= 1.0 + eps_high), -adv, 0.0)
+            dpol_dw = tl.where(a1 < a2, g1, tl.where(a1 > a2, g2, 0.5 * (g1 + g2)))
+            direct = tl.zeros_like(lp)
+            low = (w_m < 1.0 - eps_low) & (adv < 0.0)
+            high = (w_m > 1.0 + eps_high) & (adv > 0.0)
+        elif LOSS == 1:  # cispo: -stopgrad(min(w, eps_high)) A logp
+            cw = tl.minimum(w, eps_high)
+            pol = -cw * adv * lp
+            dpol_dw = tl.zeros_like(lp)
+            direct = -cw * adv
+            low = (w > eps_high) & (adv > 0.0)
+            high = low & (adv < 0.0)  # never: cispo reports one clip fraction, in the "low" column
+        else:  # sapo: -(4 / tau) sigmoid(tau (w - 1)) A, tau by the sign of A
+            tau = tl.where(adv > 0.0, tau_pos, tau_neg)
+            sg = tl.sigmoid(tau * (w - 1.0))
+            pol = -sg * 4.0 / tau * adv
+            dpol_dw = -4.0 * adv * sg * (1.0 - sg)
+            direct = tl.zeros_like(lp)
+            low = (w < 1.0 - eps_low) & (adv < 0.0)
+            high = (w > 1.0 + eps_high) & (adv > 0.0)
+        if HAS_SAMPLER:
+            sampler = tl.load(sampler_ptr + offs, mask=inb, other=0.0)
+            r_tok = _sampler_weight((old - sampler) * m, sampler_cap, sampler_truncate)
+            r = tl.where(sampler_per_seq != 0, seq_is, r_tok)
+            pol = pol * r
+            dpol_dw = dpol_dw * r
+            direct = direct * r
+            diff = tl.abs(lp - sampler)
+            acc_diff += tl.where(on & (diff == diff), m * tl.minimum(diff, FLT_MAX), 0.0)  # nan_to_num
+        if HAS_KL:  # k3 = exp(ref - logp) - (ref - logp) - 1, times w with the bias correction
+            ref = tl.load(ref_ptr + offs, mask=inb, other=0.0)
+            e = tl.exp(ref - lp)
+            kl = e - (ref - lp) - 1.0
+            kl_w = tl.where(bias_kl != 0, w, 1.0)
+            pol = pol + beta * kl * kl_w
+            direct = direct + beta * (1.0 - e) * kl_w
+            dpol_dw = dpol_dw + tl.where(bias_kl != 0, beta * kl, 0.0)
+            acc_kl += tl.where(on, m * kl * kl_w, 0.0)
+        if SEQ_LEVEL:
+            coef = tl.where(on, m * direct, 0.0)
+            acc_dw += tl.where(on, m * dpol_dw, 0.0)
+        else:
+            coef = tl.where(on, m * (dpol_dw * w + direct), 0.0)
+        tl.store(coef_ptr + offs, coef, mask=inb)
+        acc_loss += tl.where(on, m * pol, 0.0)
+        acc_n += m
+        acc_low += tl.where(on & low, m, 0.0)
+        acc_high += tl.where(on & high, m, 0.0)
+        acc_region += tl.where(on & (low | high), m, 0.0)
+        acc_ratio += tl.where(on, m * w, 0.0)
+    out = partial_ptr + pid * 9
+    tl.store(out, tl.sum(acc_loss, axis=0))
+    tl.store(out + 1, tl.sum(acc_n, axis=0))
+    tl.store(out + 2, tl.sum(acc_dw, axis=0))
+    tl.store(out + 3, tl.sum(acc_low, axis=0))
+    tl.store(out + 4, tl.sum(acc_high, axis=0))
+    tl.store(out + 5, tl.sum(acc_region, axis=0))
+    tl.store(out + 6, tl.sum(acc_ratio, axis=0))
+    tl.store(out + 7, tl.sum(acc_kl, axis=0))
+    tl.store(out + 8, tl.sum(acc_diff, axis=0))
+
+
+@triton.jit
+def _grpo_loss_bwd_kernel(
+    a_ptr, b_ptr, coef_ptr, mask_ptr, cu_ptr, grad_ptr, num_chunks,
+    SEQ_LEVEL: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """grad_t = a_s coef_t (+ b_s m_t for GSPO)."""
+    pid = tl.program_id(0).to(tl.int64)
+    seq = pid // num_chunks
+    start = tl.load(cu_ptr + seq).to(tl.int64)
+    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    chunk_start = start + (pid % num_chunks) * CHUNK
+    a = tl.load(a_ptr + seq)
+    if SEQ_LEVEL:
+        b = tl.load(b_ptr + seq)
+    for i in range(0, CHUNK, BLOCK):
+        offs = chunk_start + i + tl.arange(0, BLOCK)
+        inb = offs < end
+        g = a * tl.load(coef_ptr + offs, mask=inb, other=0.0)
+        if SEQ_LEVEL:
+            m = tl.load(mask_ptr + offs, mask=inb, other=0.0) if HAS_MASK else 1.0
+            g += b * m
+        tl.store(grad_ptr + offs, g.to(grad_ptr.dtype.element_ty), mask=inb)
+
+
+# --------------------------------------------------------------------------------------------- launchers
+def _num_chunks(max_seqlen: int) -> int:
+    return max(triton.cdiv(max_seqlen, CHUNK), 1)
+
+
+def _sampler_weights(partial_is: torch.Tensor, cap: float, truncate: bool) -> torch.Tensor:
+    r = torch.exp(partial_is)
+    return r.clamp(max=cap) if truncate else r.masked_fill(r > cap, 0.0)
+
+
+def grpo_loss_fwd_triton(
+    logps, old, ref, sampler, adv, adv_per_token, mask, cu_seqlens, max_seqlen, loss_family, seq_level, sampler_mode,
+    eps_low, eps_high, delta, beta, bias_kl, sampler_cap, tau_pos, tau_neg,
+):  # fmt: skip
+    """Flat [T] inputs -> (stats [B, NUM_STATS] f32, coef [T] f32). See the module docstring."""
+    require_triton_device(_grpo_loss_fwd_kernel, logps)
+    dev, f32 = logps.device, torch.float32
+    b, t = cu_seqlens.shape[0] - 1, logps.shape[0]
+    chunks = _num_chunks(max_seqlen)
+    grid = (b * chunks,)
+    dummy = logps
+    flags = dict(HAS_OLD=old is not None, HAS_SAMPLER=sampler is not None, HAS_MASK=mask is not None)
+    seq_logw = torch.zeros(b, dtype=f32, device=dev)
+    seq_is = torch.ones(b, dtype=f32, device=dev)
+    seq_sampler = sampler is not None and sampler_mode >= 2
+    if seq_level or seq_sampler:
+        part = torch.empty(b, chunks, 3, dtype=f32, device=dev)
+        if b:
+            _grpo_seq_stats_kernel[grid](
+                logps, dummy if old is None else old, dummy if sampler is None else sampler,
+                dummy if mask is None else mask, cu_seqlens, part, chunks, **flags, BLOCK=BLOCK, CHUNK=CHUNK,
+                num_warps=NUM_WARPS,
+            )  # fmt: skip
+        sums = part.sum(1)
+        if seq_level:
+            seq_logw = sums[:, 0] / sums[:, 1].clamp(min=1.0)
+        if seq_sampler:
+            seq_is = _sampler_weights(sums[:, 2], sampler_cap, sampler_mode == 2)
+    coef = torch.empty(t, dtype=f32, device=dev)
+    part = torch.empty(b, chunks, NUM_KERNEL_STATS, dtype=f32, device=dev)
+    if b:
+        _grpo_loss_fwd_kernel[grid](
+            logps, dummy if old is None else old, dummy if ref is None else ref, dummy if sampler is None else sampler,
+            adv, dummy if mask is None else mask, cu_seqlens, seq_logw, seq_is, coef, part, chunks,
+            eps_low, eps_high, delta, beta, int(bias_kl), sampler_cap, int(sampler_mode in (0, 2)),
+            int(seq_sampler), tau_pos, tau_neg,
+            LOSS=loss_family, SEQ_LEVEL=seq_level, HAS_KL=ref is not None, ADV_PER_TOKEN=adv_per_token,
+            **flags, BLOCK=BLOCK, CHUNK=CHUNK, num_warps=NUM_WARPS,
+        )  # fmt: skip
+    return torch.cat([part.sum(1), seq_logw[:, None]], dim=1), coef
+
+
+def grpo_loss_bwd_triton(a, b_coef, coef, mask, cu_seqlens, max_seqlen, seq_level, out_dtype):
+    """d loss / d logps [T] in out_dtype from the per-sequence a_s, b_s (see the module docstring)."""
+    require_triton_device(_grpo_loss_bwd_kernel, coef)
+    b = cu_seqlens.shape[0] - 1
+    grad = torch.empty(coef.shape[0], dtype=out_dtype, device=coef.device)
+    chunks = _num_chunks(max_seqlen)
+    if b:
+        _grpo_loss_bwd_kernel[(b * chunks,)](
+            a, b_coef, coef, coef if mask is None else mask, cu_seqlens, grad, chunks,
+            SEQ_LEVEL=seq_level, HAS_MASK=mask is not None, BLOCK=BLOCK, CHUNK=CHUNK, num_warps=NUM_WARPS,
+        )  # fmt: skip
+    return grad
+
+
+# ----------------------------------------------------------------------------------------- registration
+@torch.library.custom_op("grpo_kernels::grpo_loss_fwd", mutates_args=(), device_types="cuda")
+def grpo_loss_fwd_op(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor | None,
+    ref_logps: torch.Tensor | None,
+    sampler_logps: torch.Tensor | None,
+    advantages: torch.Tensor,
+    adv_per_token: bool,
+    mask: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    loss_family: int,
+    seq_level: bool,
+    sampler_mode: int,
+    eps_low: float,
+    eps_high: float,
+    delta: float,
+    beta: float,
+    bias_kl: bool,
+    sampler_cap: float,
+    tau_pos: float,
+    tau_neg: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat inputs (logps [T] f32/bf16/f16; the others f32 contiguous; advantages [B], or [T] with adv_per_token;
+    cu_seqlens int64
+    [B + 1]) -> (stats [B, NUM_STATS], coef [T]). `delta` is +inf for no two-sided clamp; `sampler_mode` indexes
+    SAMPLER_MODES (ignored without sampler_logps); `ref_logps` is given exactly when the KL term is on."""
+    return grpo_loss_fwd_triton(
+        logps, old_logps, ref_logps, sampler_logps, advantages, adv_per_token, mask, cu_seqlens, max_seqlen,
+        loss_family, seq_level, sampler_mode, eps_low, eps_high, delta, beta, bias_kl, sampler_cap, tau_pos, tau_neg,
+    )  # fmt: skip
+
+
+@grpo_loss_fwd_op.register_kernel("cpu")
+def _grpo_loss_fwd_cpu(*args):
+    return _C.grpo_loss_fwd(*args[:8], *args[9:])  # max_seqlen (args[8]) only sizes the Triton grid
+
+
+@grpo_loss_fwd_op.register_fake
+def _grpo_loss_fwd_fake(logps, old_logps, ref_logps, sampler_logps, advantages, adv_per_token, mask, cu_seqlens, *_):
+    b = cu_seqlens.shape[0] - 1
+    return logps.new_empty(b, NUM_STATS, dtype=torch.float32), logps.new_empty(logps.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("grpo_kernels::grpo_loss_bwd", mutates_args=(), device_types="cuda")
+def grpo_loss_bwd_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    coef: torch.Tensor,
+    mask: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    seq_level: bool,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """grad [T] (out_dtype) = a[seq] coef + (seq_level: b[seq] mask)."""
+    return grpo_loss_bwd_triton(a, b, coef, mask, cu_seqlens, max_seqlen, seq_level, out_dtype)
+
+
+@grpo_loss_bwd_op.register_kernel("cpu")
+def _grpo_loss_bwd_cpu(a, b, coef, mask, cu_seqlens, max_seqlen, seq_level, out_dtype):
+    return _C.grpo_loss_bwd(a, b, coef, mask, cu_seqlens, seq_level).to(out_dtype)
+
+
+@grpo_loss_bwd_op.register_fake
+def _grpo_loss_bwd_fake(a, b, coef, mask, cu_seqlens, max_seqlen, seq_level, out_dtype):
+    return torch.empty_like(coef, dtype=out_dtype)
+
+
+# ------------------------------------------------------------------------------------------------ autograd
+def _setup_context(ctx, inputs, output):
+    logps, mask, cu_seqlens, max_seqlen, seq_level = inputs[0], inputs[6], inputs[7], inputs[8], inputs[10]
+    stats, coef = output
+    ctx.save_for_backward(stats, coef, mask, cu_seqlens)
+    ctx.max_seqlen, ctx.seq_level, ctx.dtype = max_seqlen, seq_level, logps.dtype
+    ctx.mark_non_differentiable(coef)
+    ctx.set_materialize_grads(False)
+
+
+def _per_sequence_factors(ctx, grad_stats):
+    """a_s = d loss / d (sum_t m l)_s, and b_s = a_s w_s S_s / n_s for GSPO (zeros at token level)."""
+    stats, coef, mask, cu_seqlens = ctx.saved_tensors
+    a = grad_stats[:, 0].float().contiguous()
+    if ctx.seq_level:
+        col = {name: stats[:, i] for i, name in enumerate(STATS)}
+        b = (a * torch.exp(col["log_w"]) * col["dl_dw"] / col["count"].clamp(min=1.0)).contiguous()
+    else:
+        b = a
+    return a, b, coef, mask, cu_seqlens
+
+
+def _backward(ctx, grad_stats, _grad_coef):
+    a, b, coef, mask, cu_seqlens = _per_sequence_factors(ctx, grad_stats)
+    grad = torch.ops.grpo_kernels.grpo_loss_bwd(a, b, coef, mask, cu_seqlens, ctx.max_seqlen, ctx.seq_level, ctx.dtype)
+    return (grad,) + (None,) * 19
+
+
+grpo_loss_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class TritonDirect(torch.autograd.Function):
+    """The Triton launchers called outside the dispatcher (CPU tensors under TRITON_INTERPRET=1), same maths."""
+
+    @staticmethod
+    def forward(*inputs):
+        return grpo_loss_fwd_triton(*inputs)
+
+    setup_context = staticmethod(_setup_context)
+
+    @staticmethod
+    def backward(ctx, grad_stats, _grad_coef):
+        a, b, coef, mask, cu_seqlens = _per_sequence_factors(ctx, grad_stats)
+        grad = grpo_loss_bwd_triton(a, b, coef, mask, cu_seqlens, ctx.max_seqlen, ctx.seq_level, ctx.dtype)
+        return (grad,) + (None,) * 19

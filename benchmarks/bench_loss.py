@@ -18,15 +18,18 @@ Providers:
     ours_inplace  from_logits with inplace_backward=True (fwd+bwd): d logits overwrite the logits buffer.
     liger         liger_kernel.transformers.grpo_loss.triton_grpo_loss (from_logits, token level): CUDA only, skipped on
                   CPU with the reason. (Liger's chunked loss takes hidden states: see bench_fused_linear.py.)
-Modes: fwd (no grad) and fwd+bwd (timed: a fresh non-leaf copy of the input, the forward, torch.autograd.grad).
-Every provider is checked against ours before timing. peak_mb: memory a fwd+bwd allocates above its inputs,
-measured in a fresh process per provider (ru_maxrss on CPU, max_memory_allocated on CUDA); the inputs are leaves
-there (no copy), so ours_inplace allocates no d logits. Rows are appended to benchmarks/results/loss_<device>.csv.
+Modes: fwd (no grad) and fwd+bwd (timed: the forward and torch.autograd.grad on a leaf input that requires
+grad, as in training, where the logits come fresh from the LM head). ours_inplace overwrites its input with
+d logits, so it is checked on a copy and timed on its own copy, whose values after the first call are the
+previous call's d logits (finite; the work per call is the same).
+Every provider is checked against ours before timing. peak_mb: memory one fwd+bwd allocates above what was
+resident before it, measured in a fresh process per provider: on CPU the peak RSS (VmHWM, reset through
+/proc/self/clear_refs just before the call) minus the RSS before it; on CUDA max_memory_allocated minus
+memory_allocated. Rows are appended to benchmarks/results/loss_<device>.csv.
 """
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -131,9 +134,8 @@ def timed_call(fn, inp, mode):
         return fwd
 
     def step():
-        leaf = inp.clone()  # a fresh non-leaf copy each call, for every provider (the in-place backward needs it)
-        loss, _ = fn(leaf)
-        (grad,) = torch.autograd.grad(loss, leaf)
+        loss, _ = fn(inp)
+        (grad,) = torch.autograd.grad(loss, inp)
         return loss, grad
 
     return step
@@ -145,25 +147,34 @@ def check(got, want):
         torch.testing.assert_close(got[1].float(), want[1].float(), rtol=1e-3, atol=1e-7)
 
 
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
 def measure_peak(op, config, t, v, provider, device) -> float:
-    """Memory (MB) one fwd+bwd allocates above its inputs, in this (fresh) process."""
+    """Memory (MB) one fwd+bwd allocates above what is resident before it, in this (fresh) process."""
     x = make_inputs(op, t, v, device)
     fn = provider_fns(op, x, CONFIGS[config], device)[provider]
+    inp = (x["logps"] if op == "loss" else x["logits"]).requires_grad_()
     if provider == "compiled":
         fn = torch.compile(fn, dynamic=False)
-    inp = (x["logps"] if op == "loss" else x["logits"]).requires_grad_()
+    fn(inp.detach().clone().requires_grad_())[0].backward()  # warm-up on a copy: compile, threads, lazy pages
     if device == "cuda":
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     else:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        before = _status_kb("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (the peak RSS) to the current RSS
     loss, _ = fn(inp)
     loss.backward()
     if device == "cuda":
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - before) / 2**20
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before) / 2**20
+    return (_status_kb("VmHWM") - before) / 2**10
 
 
 def peak_in_fresh_process(op, config, t, v, provider, device) -> float | None:
@@ -188,14 +199,15 @@ def run_point(op, config, t, v, mode, device, min_time, memory) -> dict:
         if isinstance(fn, str):
             print(f"  {op}/{config} {name} skipped ({fn})")
             continue
+        own = inp.detach().clone().requires_grad_() if name == "ours_inplace" else inp  # it overwrites its input
         if name == "compiled":
             fn, reason = compile_checked(fn, lambda c: check(timed_call(c, inp, mode)(), want))
             if fn is None:
                 print(f"  {op}/{config} T={t} V={v}: compiled skipped ({reason})")
                 continue
         else:
-            check(timed_call(fn, inp, mode)(), want)
-        ms = median_ms(timed_call(fn, inp, mode), device, min_time)
+            check(timed_call(fn, own, mode)(), want)
+        ms = median_ms(timed_call(fn, own, mode), device, min_time)
         peak = peak_in_fresh_process(op, config, t, v, name, device) if memory and mode == "fwd+bwd" else None
         results[name] = (ms, peak)
     return results

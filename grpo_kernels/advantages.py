@@ -6,13 +6,13 @@ from collections.abc import Sequence
 import torch
 
 from . import reference
+from ._checks import check_impl
 from .ops import advantages as _ops
 from .types import GroupAdvantages
 
 __all__ = ["group_advantages", "GroupAdvantages"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_IMPLS = ("auto", "triton", "cpp", "reference")
 
 
 def _choice(name: str, value, allowed) -> None:
@@ -62,15 +62,6 @@ def _weights(reward_weights, k: int, one_dim: bool, device) -> torch.Tensor:
     return w.contiguous()
 
 
-def _check_device(impl: str, device: torch.device) -> None:
-    if impl == "cpp" and device.type != "cpu":
-        raise ValueError(f"impl='cpp' runs CPU tensors only; rewards are on {device}")
-    if impl == "triton" and device.type not in ("cpu", "cuda"):
-        raise ValueError(f"impl='triton' runs CUDA tensors (or CPU under TRITON_INTERPRET=1), not {device}")
-    if impl == "auto" and device.type not in ("cpu", "cuda"):
-        raise ValueError(f"no grpo_kernels backend for {device} tensors (CPU and CUDA only)")
-
-
 def group_advantages(
     rewards: torch.Tensor,
     *,
@@ -118,9 +109,8 @@ def group_advantages(
     _choice("scale", scale, ("group", "batch", "none"))
     _choice("std", std, ("unbiased", "biased"))
     _choice("nan", nan, ("error", "invalid"))
-    _choice("impl", impl, _IMPLS)
     eps, min_std = _nonnegative("eps", eps), _nonnegative("min_std", min_std)
-    _check_device(impl, rewards.device)
+    check_impl(impl, rewards.device, "rewards")
     n = rewards.shape[0]
     if (group_size is None) == (group_offsets is None):
         raise ValueError("give exactly one of group_size and group_offsets")

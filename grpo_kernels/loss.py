@@ -255,10 +255,10 @@ def grpo_loss(
         math.inf if delta is None else float(delta), float(beta), use_bias_correction_kl, float(sampler_is_cap),
         float(sapo_temperature_pos), float(sapo_temperature_neg),
     )  # fmt: skip
-    if impl == "triton" and logps.device.type == "cpu":
-        stats, _ = _ops.TritonDirect.apply(*args)
-    else:
+    if torch.compiler.is_compiling():
         stats, _ = torch.ops.grpo_kernels.grpo_loss_fwd(*args)
+    else:  # the same kernels without the custom op's dispatch overhead (see ops.loss.Direct)
+        stats, _ = _ops.Direct.apply("triton" if impl == "triton" or logps.is_cuda else "cpp", *args)
     return _finish(
         stats, None if adv_per_token else advantages, loss_type=loss_type, seq_level=seq_level,
         epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta, sampler=sampler_logps is not None,

@@ -16,3 +16,6 @@ def test_readme_python_example_runs():
     out = scope["out"]
     assert out.valid.tolist() == [True, True]
     assert out.advantages.tolist() == pytest.approx([0.7071, -0.7071, -0.7071, 0.7071], abs=1e-4)
+    loss, metrics = scope["loss"], scope["metrics"]
+    assert loss.dim() == 0 and bool(loss.isfinite())
+    assert {"clip_ratio/region_mean", "ratio_mean", "entropy"} <= set(metrics)

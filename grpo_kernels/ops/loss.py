@@ -384,17 +384,24 @@ def _backward(ctx, grad_stats, _grad_coef):
 grpo_loss_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-class TritonDirect(torch.autograd.Function):
-    """The Triton launchers called outside the dispatcher (CPU tensors under TRITON_INTERPRET=1), same maths."""
+class Direct(torch.autograd.Function):
+    """The same kernels called without the dispatcher, for eager calls: `Direct.apply(backend, *op_inputs)` with
+    backend "triton" (CUDA, or CPU tensors under TRITON_INTERPRET=1) or "cpp". A custom op's Python dispatch and
+    autograd wrapper cost ~0.2 ms per forward + backward, more than the whole C++ kernel at 128k tokens; under
+    torch.compile the public function calls the registered op instead."""
 
     @staticmethod
-    def forward(*inputs):
-        return grpo_loss_fwd_triton(*inputs)
-
-    setup_context = staticmethod(_setup_context)
+    def forward(ctx, backend, *inputs):  # (not the setup_context style: its per-call signature binding costs more)
+        output = grpo_loss_fwd_triton(*inputs) if backend == "triton" else _grpo_loss_fwd_cpu(*inputs)
+        _setup_context(ctx, inputs, output)
+        ctx.backend = backend
+        return output
 
     @staticmethod
     def backward(ctx, grad_stats, _grad_coef):
         a, b, coef, mask, cu_seqlens = _per_sequence_factors(ctx, grad_stats)
-        grad = grpo_loss_bwd_triton(a, b, coef, mask, cu_seqlens, ctx.max_seqlen, ctx.seq_level, ctx.dtype)
-        return (grad,) + (None,) * 19
+        if ctx.backend == "triton":
+            grad = grpo_loss_bwd_triton(a, b, coef, mask, cu_seqlens, ctx.max_seqlen, ctx.seq_level, ctx.dtype)
+        else:
+            grad = _C.grpo_loss_bwd(a, b, coef, mask, cu_seqlens, ctx.seq_level).to(ctx.dtype)
+        return (None, grad) + (None,) * 19

@@ -16,6 +16,7 @@ except ImportError as exc:  # a clear message instead of a later AttributeError
 
 from . import ops, reference, theory
 from .advantages import group_advantages
+from .fused_linear import FusedLinearGRPOLoss, fused_linear_grpo_loss, fused_linear_logprobs
 from .logprobs import selective_logprobs
 from .loss import GRPOLoss, grpo_loss, grpo_loss_from_logits
 from .types import GroupAdvantages
@@ -23,9 +24,12 @@ from .types import GroupAdvantages
 __version__ = "0.1.0"
 
 __all__ = [
+    "FusedLinearGRPOLoss",
     "GRPOLoss",
     "GroupAdvantages",
     "__version__",
+    "fused_linear_grpo_loss",
+    "fused_linear_logprobs",
     "group_advantages",
     "grpo_loss",
     "grpo_loss_from_logits",

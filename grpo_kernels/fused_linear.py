@@ -1,0 +1,444 @@
+"""Public API: the GRPO loss (and plain log-probs) from hidden states and the LM head, never building [T, V] logits.
+
+Design. Tokens are processed in chunks of C rows. Per chunk: logits = h W^T (+ b) in a [C, V] buffer, the
+selective log-prob row kernel (C++ on CPU, Triton on CUDA) reads it once (log-sum-exp, log-prob of the id,
+entropy), the loss kernel turns the chunk's log-probs into the per-token gradient g_t = d loss / d logp_t,
+the row kernel's backward overwrites the buffer with d logits, and the two gradient matmuls follow:
+grad_h = dlogits W, grad_W += dlogits^T h (accumulated in fp32, cast once at the end), grad_b += sum dlogits.
+So the three matmuls that cannot be avoided run once each and the [C, V] buffer is the only large temporary.
+
+The gradients are computed in the forward (one pass) and the autograd backward only scales them by the
+incoming gradient. That needs g_t while the chunk's logits exist: at token level g_t = a_s coef_t, where
+coef_t depends on token t alone and a_s (the loss normalizer of sequence s) on the mask only, so a_s is known
+before the first chunk. GSPO (importance_sampling_level="sequence") and the sequence-level sampler modes
+weight every token by a whole-sequence statistic of the log-probs, so they take two passes instead: log-probs
+first, then the loss and its g, then the logits are recomputed per chunk (four matmuls instead of three).
+"""
+
+import math
+from functools import partial
+
+import torch
+
+from . import _C, reference
+from ._checks import check_impl
+from .loss import _check_tensor, _finish, _flat, _layout, _options, grpo_loss
+from .ops import logprobs as _lp_ops
+from .ops import loss as _loss_ops
+
+__all__ = ["FusedLinearGRPOLoss", "fused_linear_grpo_loss", "fused_linear_logprobs"]
+
+DEFAULT_CHUNK_BYTES = 64 * 2**20  # the logits chunk; small enough to stay far below the gradients' own size
+
+
+def _chunk_rows(chunk_tokens, v: int, itemsize: int) -> int:
+    if chunk_tokens == "auto":
+        return max(1, DEFAULT_CHUNK_BYTES // (v * itemsize))
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be 'auto' or a positive int, got {chunk_tokens!r}")
+    return chunk_tokens
+
+
+def _check_linear(hidden, weight, bias, ids, temperature, impl):
+    floats = (torch.float32, torch.bfloat16, torch.float16) + ((torch.float64,) if impl == "reference" else ())
+    if not isinstance(hidden, torch.Tensor) or hidden.dtype not in floats:
+        raise ValueError("hidden must be a float32/bfloat16/float16 tensor [B, L, H] or packed [T, H]")
+    if hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden must be [B, L, H] or packed [T, H], got shape {tuple(hidden.shape)}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"weight must be [V, H={hidden.shape[-1]}] (the LM head), got {got}")
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise ValueError(
+            f"weight ({weight.dtype}, {weight.device}) must match hidden ({hidden.dtype}, {hidden.device})"
+        )
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],)):
+        raise ValueError(f"bias must be a tensor [V={weight.shape[0]}]")
+    if bias is not None and (bias.dtype != hidden.dtype or bias.device != hidden.device):
+        raise ValueError("bias must have the dtype and device of hidden")
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError("ids must be an int32 or int64 tensor")
+    if tuple(ids.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"ids must have shape {tuple(hidden.shape[:-1])} (hidden without H), got {tuple(ids.shape)}")
+    if ids.device != hidden.device:
+        raise ValueError(f"ids are on {ids.device} but hidden is on {hidden.device}")
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not (math.isfinite(temperature) and temperature > 0)
+    ):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if ids.numel() and not torch.compiler.is_compiling():
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= weight.shape[0]:
+            raise ValueError(f"ids must lie in [0, V={weight.shape[0]}), found {lo if lo < 0 else hi}")
+
+
+class _Rows:
+    """The row kernels (log-probs forward, in-place backward) and the loss kernel of one backend."""
+
+    def __init__(self, backend: str, temperature: float, entropy: bool):
+        self.triton, self.t, self.entropy = backend == "triton", float(temperature), entropy
+
+    def logprobs(self, logits, ids):  # -> (logps, entropy, lse), fp32 [C]
+        if self.triton:
+            return _lp_ops.logprobs_fwd_triton(logits, ids, self.t, self.entropy)
+        return _C.selective_logprobs(logits, ids, self.t, self.entropy)
+
+    def dlogits_(self, g, logits, ids, lse):  # overwrite logits with d sum(g logps) / d logits
+        if self.triton:
+            _lp_ops.logprobs_bwd_triton(g, None, logits, ids, lse, None, self.t, True)
+        else:
+            _C.selective_logprobs_backward(g, None, logits, ids, lse, None, self.t, True)
+
+    def loss(self, *args):
+        return _loss_ops.grpo_loss_fwd_triton(*args) if self.triton else _C.grpo_loss_fwd(*args[:8], *args[9:])
+
+
+class _Chunks:
+    """The chunk loop: logits of a chunk, and the gradients from a chunk's d logits."""
+
+    def __init__(self, hidden, weight, bias, rows: int, needs):
+        self.h, self.w, self.b, self.rows = hidden, weight, bias, rows
+        t, v = hidden.shape[0], weight.shape[0]
+        self.buf = torch.empty(min(rows, max(t, 1)), v, dtype=hidden.dtype, device=hidden.device)
+        self.grad_h = torch.empty_like(hidden) if needs[0] else None
+        self.grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs[1] else None
+        self.grad_b = torch.zeros(v, dtype=torch.float32, device=weight.device) if needs[2] else None
+
+    def __iter__(self):
+        for c0 in range(0, self.h.shape[0], self.rows):
+            yield c0, min(c0 + self.rows, self.h.shape[0])
+
+    def logits(self, c0, c1):
+        out = self.buf[: c1 - c0]
+        if self.b is None:
+            return torch.mm(self.h[c0:c1], self.w.t(), out=out)
+        return torch.addmm(self.b, self.h[c0:c1], self.w.t(), out=out)
+
+    def backward(self, c0, c1, dlogits):
+        if self.grad_h is not None:
+            torch.mm(dlogits, self.w, out=self.grad_h[c0:c1])
+        if self.grad_w is not None:
+            if dlogits.dtype == torch.float32:
+                self.grad_w.addmm_(dlogits.t(), self.h[c0:c1])
+            else:  # one low-precision product per chunk, summed in fp32
+                self.grad_w += torch.mm(dlogits.t(), self.h[c0:c1]).float()
+        if self.grad_b is not None:
+            self.grad_b += dlogits.sum(0, dtype=torch.float32)
+
+    def grads(self):
+        cast = lambda x, like: None if x is None else x.to(like.dtype)  # noqa: E731
+        return self.grad_h, cast(self.grad_w, self.w), None if self.b is None else cast(self.grad_b, self.b)
+
+
+def _token_level_pass(chunks, rows, ids, flat, layout, opts):
+    """One pass; returns per-sequence stats [B, NUM_STATS] and the entropy sum. flat: the loss op's inputs."""
+    b, cu_host, seq_of = layout
+    old, ref, sampler, adv, adv_per_token, mask = flat
+    stats = torch.zeros(b, _loss_ops.NUM_STATS, dtype=torch.float32, device=ids.device)
+    counts = stats.clone()
+    counts[:, 1] = _segment_sum(mask, layout, ids.device)
+    counts.requires_grad_()
+    with torch.enable_grad():
+        a = torch.autograd.grad(_finish(counts, None, **opts["finish"])[0], counts)[0][:, 0].contiguous()
+    entropy_sum = torch.zeros((), dtype=torch.float32, device=ids.device)
+    for c0, c1 in chunks:
+        logits = chunks.logits(c0, c1)
+        lp, ent, lse = rows.logprobs(logits, ids[c0:c1])
+        frag_cu, frag_seq = _fragments(cu_host, c0, c1)
+        cu_f = torch.tensor(frag_cu, dtype=torch.int64, device=ids.device)
+        seq_f = torch.tensor(frag_seq, dtype=torch.int64, device=ids.device)
+        part = partial(_slice, c0=c0, c1=c1)
+        adv_c = adv[c0:c1] if adv_per_token else adv[seq_f]
+        args = (lp, part(old), part(ref), part(sampler), adv_c, adv_per_token, part(mask), cu_f,
+                max(e - s for s, e in zip(frag_cu, frag_cu[1:], strict=False)), *opts["kernel"])  # fmt: skip
+        stats_f, coef = rows.loss(*args)
+        stats.index_add_(0, seq_f, stats_f)
+        rows.dlogits_(a[seq_of[c0:c1]] * coef, logits, ids[c0:c1], lse)
+        chunks.backward(c0, c1, logits)
+        if rows.entropy:
+            entropy_sum += ent.dot(mask[c0:c1]) if mask is not None else ent.sum()
+    return stats, entropy_sum
+
+
+def _slice(x, c0, c1):
+    return None if x is None else x[c0:c1]
+
+
+def _segment_sum(mask, layout, device):
+    b, cu_host, seq_of = layout
+    if mask is None:
+        return torch.tensor(
+            [e - s for s, e in zip(cu_host, cu_host[1:], strict=False)], dtype=torch.float32, device=device
+        )
+    return torch.zeros(b, dtype=torch.float32, device=device).index_add_(0, seq_of, mask)
+
+
+def _fragments(cu_host, c0, c1):
+    """The pieces of sequences inside tokens [c0, c1): local boundaries and each piece's sequence index."""
+    import bisect
+
+    s = bisect.bisect_right(cu_host, c0) - 1
+    bounds, seqs = [0], []
+    while s < len(cu_host) - 1 and cu_host[s] < c1:
+        end = min(cu_host[s + 1], c1)
+        if end > max(cu_host[s], c0):
+            bounds.append(end - c0)
+            seqs.append(s)
+        s += 1
+    return bounds, seqs
+
+
+def fused_linear_logprobs(hidden, weight, ids, *, bias=None, temperature=1.0, return_entropy=False,
+                          chunk_tokens="auto", impl="auto"):  # fmt: skip
+    """log softmax((hidden W^T + bias) / temperature)[ids] per token, without the logits and without grad.
+
+    For old/reference log-probs. hidden `[B, L, H]` or `[T, H]`, weight `[V, H]`; returns float32 log-probs of
+    the shape of ids (and the entropy when asked). The outputs carry no gradient.
+    """
+    _check_linear(hidden, weight, bias, ids, temperature, impl)
+    check_impl(impl, hidden.device, "hidden")
+    shape, h2, ids_flat = ids.shape, hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1).long()
+    if impl == "reference":
+        with torch.no_grad():
+            logits = torch.nn.functional.linear(h2.float(), weight.float(), None if bias is None else bias.float())
+            out = reference.selective_logprobs(logits, ids_flat, temperature=temperature, return_entropy=True)
+        return (out[0].reshape(shape), out[1].reshape(shape)) if return_entropy else out[0].reshape(shape)
+    rows = _Rows("triton" if impl == "triton" or hidden.is_cuda else "cpp", temperature, return_entropy)
+    logps = torch.empty(ids_flat.shape[0], dtype=torch.float32, device=hidden.device)
+    entropy = torch.empty_like(logps) if return_entropy else None
+    with torch.no_grad():
+        chunks = _Chunks(h2.contiguous(), weight, bias, _chunk_rows(chunk_tokens, weight.shape[0], hidden.itemsize),
+                         (False, False, False))  # fmt: skip
+        for c0, c1 in chunks:
+            lp, ent, _ = rows.logprobs(chunks.logits(c0, c1), ids_flat[c0:c1])
+            logps[c0:c1] = lp
+            if return_entropy:
+                entropy[c0:c1] = ent
+    if return_entropy:
+        return logps.reshape(shape), entropy.reshape(shape)
+    return logps.reshape(shape)
+
+
+class _FusedLinearGRPO(torch.autograd.Function):
+    """forward computes the loss, the metrics and the gradients; backward scales the gradients."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, run, names):
+        loss, metrics, grads = run(hidden, weight, bias, ctx.needs_input_grad[:3])
+        ctx.save_for_backward(*[torch.empty(0) if g is None else g for g in grads])
+        ctx.has = [g is not None for g in grads]
+        values = [metrics[k] for k in names]
+        ctx.mark_non_differentiable(*values)
+        return loss, *values
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        saved = zip(ctx.saved_tensors, ctx.has, strict=True)
+        return *[g.mul_(grad_loss.to(g.dtype)) if has else None for g, has in saved], None, None
+
+
+def fused_linear_grpo_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    old_logps: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_tokens: int | str = "auto",
+    return_entropy: bool = False,
+    impl: str = "auto",
+    **options,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The GRPO loss of `grpo_loss` from hidden states and the LM head: logits never exist beyond one chunk.
+
+    Args:
+        hidden: `[B, L, H]` (padded, with `mask`) or packed `[T, H]` (with `cu_seqlens`), float32/bf16/fp16.
+        weight: the LM head `[V, H]` (may be tied to the embeddings); bias: `[V]` or None.
+        ids: the sampled token ids, `[B, L]` or `[T]`. advantages: `[B]` or per token.
+        old_logps: as in grpo_loss (None = on-policy).
+        temperature: the sampling temperature (logits / temperature).
+        chunk_tokens: tokens per chunk, or "auto" (a logits chunk of at most 64 MiB).
+        return_entropy: also report the masked mean entropy as metrics["entropy"].
+        impl: "auto" (C++ row kernels on CPU, Triton on CUDA; matmuls by torch), "cpp", "triton", or
+            "reference" (the naive eager path: full logits, log-softmax, the reference loss).
+        options: every keyword argument of grpo_loss (ref_logps, mask, cu_seqlens, loss_type, epsilon_low,
+            epsilon_high, delta, beta, importance_sampling_level, num_items_in_batch, sampler_logps, ...).
+
+    Returns:
+        (loss, metrics) as grpo_loss. Gradients flow to hidden, weight and bias; the weight's gradient is
+        summed over chunks in fp32 and cast once to the weight's dtype.
+    """
+    _check_linear(hidden, weight, bias, ids, temperature, impl)
+    check_impl(impl, hidden.device, "hidden")
+    unknown = set(options) - _LOSS_OPTIONS
+    if unknown:
+        raise TypeError(f"fused_linear_grpo_loss got unknown option(s) {sorted(unknown)}")
+    if impl == "reference":
+        up = lambda x: x if x is None or x.dtype == torch.float64 else x.float()  # noqa: E731
+        logits = torch.nn.functional.linear(up(hidden), up(weight), up(bias))
+        logps, entropy = reference.selective_logprobs(logits, ids, temperature=temperature, return_entropy=True)
+        loss, metrics = reference.grpo_loss(logps, old_logps, advantages, **options)
+        if return_entropy:
+            m = options.get("mask")
+            m = torch.ones_like(entropy) if m is None else m.to(entropy.dtype)
+            metrics["entropy"] = ((entropy * m).sum() / m.sum().clamp(min=1.0)).detach()
+        return loss, metrics
+    opts = {**_DEFAULTS, **options}
+    _options(*(opts[k] for k in _OPTION_ORDER))
+    shape_ref = torch.empty((), dtype=torch.float32, device=hidden.device).expand(ids.shape)
+    b, cu, max_len, adv_per_token = _layout(shape_ref, advantages, opts["mask"], opts["cu_seqlens"], opts["max_seqlen"])
+    use_ref = opts["beta"] != 0.0
+    for name, key in (("old_logps", None), ("ref_logps", "ref_logps"), ("sampler_logps", "sampler_logps")):
+        x = old_logps if key is None else opts[key]
+        if x is not None and (key != "ref_logps" or use_ref):
+            _check_tensor(name, x, shape_ref)
+    backend = "triton" if impl == "triton" or hidden.is_cuda else "cpp"
+    rows_per_chunk = _chunk_rows(chunk_tokens, weight.shape[0], hidden.itemsize)
+    run = partial(_run, ids=ids.reshape(-1).long(), ids_shape=ids.shape, advantages=advantages,
+                  old_logps=old_logps, opts=opts, layout=(b, cu, max_len, adv_per_token),
+                  rows=_Rows(backend, temperature, return_entropy), rows_per_chunk=rows_per_chunk)  # fmt: skip
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    names = _metric_names(opts, return_entropy)
+    out = _FusedLinearGRPO.apply(h2 if h2.is_contiguous() else h2.contiguous(), weight, bias, run, names)
+    return out[0], dict(zip(names, out[1:], strict=True))
+
+
+def _metric_names(opts, entropy: bool) -> list[str]:
+    names = ["cispo_clip_ratio", "ratio_mean"] if opts["loss_type"] == "cispo" else [
+        "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio_mean"]  # fmt: skip
+    names += ["kl"] * (opts["beta"] != 0.0) + ["sampler_logp_abs_diff"] * (opts["sampler_logps"] is not None)
+    return names + ["entropy"] * entropy
+
+
+def _run(hidden, weight, bias, needs, *, ids, ids_shape, advantages, old_logps, opts, layout, rows, rows_per_chunk):
+    b, cu, max_len, adv_per_token = layout
+    cu_host = cu.tolist()
+    lengths = torch.tensor([e - s for s, e in zip(cu_host, cu_host[1:], strict=False)], device=ids.device)
+    seq_of = torch.repeat_interleave(torch.arange(b, device=ids.device), lengths)
+    mask = _flat(opts["mask"])
+    chunks = _Chunks(hidden, weight, bias, rows_per_chunk, needs)
+    seq_level = opts["importance_sampling_level"] == "sequence" or (opts["sampler_is_mode"] or "").startswith("seq")
+    if seq_level:
+        metrics = _two_pass(chunks, rows, ids, ids_shape, advantages, old_logps, opts, mask)
+        loss = metrics.pop("loss")
+    else:
+        flat = (_flat(old_logps), _flat(opts["ref_logps"] if opts["beta"] != 0.0 else None),
+                _flat(opts["sampler_logps"]), _flat(advantages), adv_per_token, mask)  # fmt: skip
+        finish = dict(loss_type=opts["loss_type"], seq_level=False, epsilon_low=opts["epsilon_low"],
+                      epsilon_high=opts["epsilon_high"], delta=opts["delta"], beta=opts["beta"],
+                      sampler=opts["sampler_logps"] is not None, max_completion_length=opts["max_completion_length"],
+                      max_seqlen=max_len, num_items_in_batch=opts["num_items_in_batch"])  # fmt: skip
+        kernel = (_loss_ops.LOSS_FAMILIES[opts["loss_type"]], False,
+                  _loss_ops.SAMPLER_MODES.get(opts["sampler_is_mode"], 0), float(opts["epsilon_low"]),
+                  float(opts["epsilon_high"]), math.inf if opts["delta"] is None else float(opts["delta"]),
+                  float(opts["beta"]), opts["use_bias_correction_kl"], float(opts["sampler_is_cap"]),
+                  float(opts["sapo_temperature_pos"]), float(opts["sapo_temperature_neg"]))  # fmt: skip
+        stats, entropy_sum = _token_level_pass(chunks, rows, ids, flat, (b, cu_host, seq_of),
+                                               {"finish": finish, "kernel": kernel})  # fmt: skip
+        loss, metrics = _finish(stats, None if adv_per_token else advantages, **finish)
+        if rows.entropy:
+            tokens = stats[:, 1].sum().clamp(min=1.0)
+            metrics["entropy"] = entropy_sum / tokens
+    return loss, metrics, chunks.grads()
+
+
+def _two_pass(chunks, rows, ids, ids_shape, advantages, old_logps, opts, mask):
+    """GSPO / sequence-level sampler weights: all log-probs first, then g, then the logits again."""
+    t = ids.shape[0]
+    logps = torch.empty(t, dtype=torch.float32, device=ids.device)
+    lse = torch.empty_like(logps)
+    entropy = torch.empty_like(logps) if rows.entropy else None
+    for c0, c1 in chunks:
+        lp, ent, ls = rows.logprobs(chunks.logits(c0, c1), ids[c0:c1])
+        logps[c0:c1], lse[c0:c1] = lp, ls
+        if rows.entropy:
+            entropy[c0:c1] = ent
+    view = logps.view(ids_shape)
+    options = {k: opts[k] for k in _LOSS_OPTIONS}
+    with torch.enable_grad():
+        leaf = view.detach().requires_grad_()
+        loss, metrics = grpo_loss(leaf, old_logps, advantages, impl="triton" if rows.triton else "cpp", **options)
+        (g,) = torch.autograd.grad(loss, leaf)
+    g = g.reshape(-1).float().contiguous()
+    for c0, c1 in chunks:
+        logits = chunks.logits(c0, c1)
+        rows.dlogits_(g[c0:c1], logits, ids[c0:c1], lse[c0:c1])
+        chunks.backward(c0, c1, logits)
+    if rows.entropy:
+        m = torch.ones_like(entropy) if mask is None else mask
+        metrics["entropy"] = (entropy * m).sum() / m.sum().clamp(min=1.0)
+    return {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
+
+
+_DEFAULTS = dict(
+    ref_logps=None, mask=None, cu_seqlens=None, max_seqlen=None, loss_type="dapo", epsilon_low=0.2,
+    epsilon_high=0.2, delta=None, beta=0.0, importance_sampling_level="token", max_completion_length=None,
+    num_items_in_batch=None, sampler_logps=None, sampler_is_mode=None, sampler_is_cap=3.0,
+    use_bias_correction_kl=False, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+)  # fmt: skip
+_LOSS_OPTIONS = frozenset(_DEFAULTS)
+_OPTION_ORDER = ("loss_type", "epsilon_low", "epsilon_high", "delta", "beta", "importance_sampling_level",
+                 "max_completion_length", "num_items_in_batch", "sampler_logps", "sampler_is_mode", "sampler_is_cap",
+                 "use_bias_correction_kl", "sapo_temperature_pos", "sapo_temperature_neg", "ref_logps")  # fmt: skip
+
+
+class FusedLinearGRPOLoss(torch.nn.Module):
+    """Drop-in for `liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss`: the same constructor and forward argument
+    names and the same return value, `(loss, [kl (beta != 0)], clip_ratio)` as `(loss, metrics_list)`.
+
+    The metrics follow TRL: at sequence level the clip ratio is a mean over sequences (Liger weights it by
+    tokens). `compiled` and `chunk_size` are accepted for compatibility (the chunk is sized by `chunk_tokens`); as in
+    Liger, dapo/cispo divide `num_items_in_batch` by the world size. Liger options we do not run raise
+    NotImplementedError: `ref_input`/`ref_weight` (pass `ref_per_token_logps`), `vllm_is_ratio` (use
+    fused_linear_grpo_loss with sampler_logps/sampler_is_mode), and the "luspo"/"vespo" loss types.
+    """
+
+    def __init__(self, beta=0.04, compiled=True, use_ref_model=True, chunk_size=1, epsilon_low=0.2, epsilon_high=0.2,
+                 loss_type="dapo", max_completion_length=None, importance_sampling_level="token",
+                 sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, temperature=1.0, delta=None,
+                 use_bias_correction_kl=False, chunk_tokens="auto", **vespo):  # fmt: skip
+        super().__init__()
+        if loss_type in ("luspo", "vespo"):
+            raise NotImplementedError(f"loss_type={loss_type!r} is not implemented by grpo_kernels")
+        unknown = set(vespo) - {"vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"}
+        if unknown:
+            raise TypeError(f"FusedLinearGRPOLoss got unknown argument(s) {sorted(unknown)}")
+        self.beta, self.use_ref_model, self.temperature, self.chunk_tokens = (
+            beta,
+            use_ref_model,
+            temperature,
+            chunk_tokens,
+        )
+        self.options = dict(
+            loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
+            importance_sampling_level=importance_sampling_level, max_completion_length=max_completion_length,
+            sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+            use_bias_correction_kl=use_bias_correction_kl,
+        )  # fmt: skip
+
+    def forward(self, _input, lin_weight, selected_token_ids, attention_mask, advantages, bias=None,
+                ref_per_token_logps=None, old_per_token_logps=None, ref_input=None, ref_weight=None, ref_bias=None,
+                vllm_is_ratio=None, num_items_in_batch=None):  # fmt: skip
+        if ref_input is not None or ref_weight is not None or ref_bias is not None:
+            raise NotImplementedError("ref_input/ref_weight/ref_bias: pass ref_per_token_logps instead")
+        if vllm_is_ratio is not None:
+            raise NotImplementedError(
+                "vllm_is_ratio: use fused_linear_grpo_loss(sampler_logps=..., sampler_is_mode=...)"
+            )
+        beta = self.beta if self.use_ref_model else 0.0
+        if num_items_in_batch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            num_items_in_batch = num_items_in_batch / torch.distributed.get_world_size()
+        loss, metrics = fused_linear_grpo_loss(
+            _input, lin_weight, selected_token_ids, advantages, bias=bias, old_logps=old_per_token_logps,
+            ref_logps=ref_per_token_logps if beta else None, mask=attention_mask, beta=beta,
+            temperature=self.temperature, chunk_tokens=self.chunk_tokens, num_items_in_batch=num_items_in_batch,
+            **self.options,
+        )  # fmt: skip
+        clip = metrics.get("clip_ratio/region_mean", metrics.get("cispo_clip_ratio"))
+        if self.options["loss_type"] == "sapo":  # Liger reports no clipping for SAPO's soft gate
+            clip = torch.zeros_like(clip)
+        return loss, ([metrics["kl"]] if beta else []) + [clip]

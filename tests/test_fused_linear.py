@@ -1,0 +1,181 @@
+"""fused_linear_grpo_loss / fused_linear_logprobs (LM head fused with the loss) against the naive eager path
+(full logits, log-softmax, reference loss), and FusedLinearGRPOLoss against Liger's chunked loss."""
+
+import itertools
+
+import pytest
+import torch
+from helpers import assert_close, assert_lowp_no_worse, device_for
+from test_loss_reference import LOSS_TYPES
+
+import grpo_kernels as gk
+
+B, L, H, V = 3, 9, 16, 101  # V is prime: never a multiple of the chunk
+
+
+def make(device="cpu", dtype=torch.float32, packed=False):
+    hidden = torch.randn(B, L, H)
+    weight = torch.randn(V, H) * 0.3
+    bias = torch.randn(V) * 0.1
+    ids = torch.randint(0, V, (B, L))
+    old = -torch.rand(B, L) * 4
+    ref = old + 0.2 * torch.randn(B, L)
+    sampler = old + 0.3 * torch.randn(B, L)
+    lengths = torch.tensor([L, 4, 0])  # an empty row
+    mask = (torch.arange(L)[None] < lengths[:, None]).float()
+    adv = torch.randn(B)
+    x = dict(hidden=hidden.to(dtype), weight=weight.to(dtype), bias=bias.to(dtype), ids=ids, old=old, ref=ref,
+             sampler=sampler, mask=mask, adv=adv)  # fmt: skip
+    x = {k: v.to(device) for k, v in x.items()}
+    if packed:
+        keep = x["mask"].bool()
+        cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(device)
+        x = {k: v[keep] if v.shape[:2] == (B, L) else v for k, v in x.items()}
+        x["cu_seqlens"] = cu
+        del x["mask"]
+    return x
+
+
+def run(impl, x, *, chunk_tokens="auto", **kw):
+    """(loss, grad hidden, grad weight, grad bias, metrics)."""
+    h, w, b = (x[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
+    extra = {k: x[k] for k in ("mask", "cu_seqlens") if k in x}
+    if kw.get("sampler_is_mode"):
+        extra["sampler_logps"] = x["sampler"]
+    if "cu_seqlens" in x:
+        extra["max_completion_length"] = L
+    loss, metrics = gk.fused_linear_grpo_loss(
+        h, w, x["ids"], x["adv"], bias=b, old_logps=x["old"], ref_logps=x["ref"], temperature=0.8, impl=impl,
+        return_entropy=True, **({} if impl == "reference" else {"chunk_tokens": chunk_tokens}), **extra, **kw,
+    )  # fmt: skip
+    loss.backward()
+    return loss, h.grad, w.grad, b.grad, metrics
+
+
+def check(got, want, tag, dtype=torch.float32):
+    for name, g, e in zip(("loss", "grad hidden", "grad weight", "grad bias"), got[:4], want[:4], strict=True):
+        assert_close(g.float(), e.float(), name=f"{name} [{tag}]", dtype=dtype)
+    assert set(got[4]) == set(want[4]), tag
+    for key in want[4]:
+        assert_close(got[4][key], want[4][key], name=f"{key} [{tag}]", rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("loss_type,level", list(itertools.product(LOSS_TYPES, ["token", "sequence"])))
+@pytest.mark.parametrize("packed", [False, True])
+def test_matches_naive_eager_every_loss_type(loss_type, level, packed):
+    x = make(packed=packed)
+    for beta, mode in [(0.0, None), (0.04, "token_mask"), (0.04, "sequence_truncate")]:
+        kw = dict(loss_type=loss_type, importance_sampling_level=level, beta=beta, sampler_is_mode=mode)
+        check(run("cpp", x, chunk_tokens=4, **kw), run("reference", x, **kw), f"{kw} packed={packed}")
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_same_result_for_any_chunk_size(level):
+    x = make()
+    kw = dict(loss_type="grpo", beta=0.04, importance_sampling_level=level)
+    want = run("reference", x, **kw)
+    for chunk in (1, 7, 4096, "auto"):
+        check(run("cpp", x, chunk_tokens=chunk, **kw), want, f"chunk_tokens={chunk}")
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_triton_backend_matches(triton_device, level):
+    x = make(device=device_for("triton", triton_device))
+    kw = dict(loss_type="dapo", beta=0.04, importance_sampling_level=level, sampler_is_mode="token_truncate")
+    check(run("triton", x, chunk_tokens=5, **kw), run("reference", x, **kw), "triton")
+
+
+def test_tied_weights_accumulate_both_gradients():
+    """The LM head is also the input embedding: weight's gradient is the sum of both uses."""
+    x = make()
+    grads = []
+    for impl in ("cpp", "reference"):
+        w = x["weight"].clone().requires_grad_()
+        hidden = torch.nn.functional.embedding(x["ids"], w) + x["hidden"]
+        loss, _ = gk.fused_linear_grpo_loss(hidden, w, x["ids"], x["adv"], old_logps=x["old"], mask=x["mask"],
+                                            loss_type="grpo", impl=impl)  # fmt: skip
+        loss.backward()
+        grads.append(w.grad)
+    assert_close(grads[0], grads[1], name="tied weight grad")
+
+
+def test_bf16_no_worse_than_pytorch():
+    x32 = make()
+    x16 = {k: v.bfloat16() if k in ("hidden", "weight", "bias") else v for k, v in x32.items()}
+    x32 = {k: v.float() if k in ("hidden", "weight", "bias") else v for k, v in x16.items()}  # same values
+    kw = dict(loss_type="grpo", beta=0.04)
+    ours = run("cpp", x16, chunk_tokens=4, **kw)
+    assert ours[2].dtype == torch.bfloat16
+    oracle = run("reference", {k: v.double() if v.is_floating_point() else v for k, v in x32.items()}, **kw)
+    h, w, b = (x16[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))  # PyTorch in bf16
+    logits = torch.nn.functional.linear(h, w, b) / 0.8
+    logps = torch.log_softmax(logits, -1).gather(-1, x16["ids"][..., None])[..., 0]
+    low = {k: x16[k].bfloat16() for k in ("old", "adv", "ref", "mask")}
+    loss, _ = gk.reference.grpo_loss(logps, low["old"], low["adv"], ref_logps=low["ref"], mask=low["mask"], **kw)
+    loss.backward()
+    for name, got, lowp, exp in zip(("loss", "hidden", "weight", "bias"), ours, (loss, h.grad, w.grad, b.grad), oracle,
+                                    strict=False):  # fmt: skip
+        assert_lowp_no_worse(got, lowp, exp, name=name)
+
+
+def test_logprobs_without_logits_match_reference():
+    x = make()
+    logps, entropy = gk.fused_linear_logprobs(x["hidden"], x["weight"], x["ids"], bias=x["bias"], temperature=0.7,
+                                              return_entropy=True, chunk_tokens=5)  # fmt: skip
+    logits = torch.nn.functional.linear(x["hidden"].double(), x["weight"].double(), x["bias"].double())
+    e_logps, e_entropy = gk.reference.selective_logprobs(logits, x["ids"], temperature=0.7, return_entropy=True)
+    assert_close(logps, e_logps, name="logps")
+    assert_close(entropy, e_entropy, name="entropy")
+    assert not logps.requires_grad
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(weight=torch.zeros(V, H + 1)), "weight"),
+        (dict(weight=torch.zeros(V, H, dtype=torch.float64)), "weight"),
+        (dict(bias=torch.zeros(V + 1)), "bias"),
+        (dict(ids=torch.zeros(B, L + 1, dtype=torch.long)), "ids"),
+        (dict(ids=torch.full((B, L), V)), "ids"),
+        (dict(chunk_tokens=0), "chunk_tokens"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(loss_type="ppo"), "loss_type"),
+        (dict(epsilon_low=1.5), "epsilon_low"),
+    ],
+)
+def test_bad_arguments_raise_value_error(kwargs, match):
+    x = make()
+    args = dict(hidden=x["hidden"], weight=x["weight"], ids=x["ids"], advantages=x["adv"], mask=x["mask"])
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        gk.fused_linear_grpo_loss(args.pop("hidden"), args.pop("weight"), args.pop("ids"), args.pop("advantages"),
+                                  **args)  # fmt: skip
+
+
+liger_grpo = pytest.importorskip("liger_kernel.chunked_loss.grpo_loss")
+
+
+@pytest.mark.parametrize(
+    "loss_type,level,beta",
+    [("dapo", "token", 0.04), ("grpo", "sequence", 0.0), ("bnpo", "token", 0.04), ("cispo", "token", 0.0),
+     ("sapo", "token", 0.04), ("dr_grpo", "sequence", 0.04)],
+)  # fmt: skip
+def test_module_matches_liger_chunked_loss(loss_type, level, beta):
+    x = make()
+    cfg = dict(beta=beta, epsilon_high=5.0 if loss_type == "cispo" else 0.28, loss_type=loss_type,
+               max_completion_length=L, importance_sampling_level=level, temperature=0.9)  # fmt: skip
+    outs = []
+    for module in (liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, **cfg), gk.FusedLinearGRPOLoss(**cfg)):
+        h, w, b = (x[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
+        loss, metrics = module(h, w, x["ids"], x["mask"], x["adv"], bias=b, ref_per_token_logps=x["ref"],
+                               old_per_token_logps=x["old"])  # fmt: skip
+        loss.backward()
+        outs.append((loss, h.grad, w.grad, b.grad, metrics))
+    (l_loss, l_h, l_w, l_b, l_m), (loss, gh, gw, gb, m) = outs
+    for name, got, want in (("loss", loss, l_loss), ("hidden", gh, l_h), ("weight", gw, l_w), ("bias", gb, l_b)):
+        assert_close(got, want, name=f"{name} vs Liger", rtol=1e-4, atol=1e-6)
+    assert len(m) == len(l_m)
+    if level == "sequence":  # Liger weights the per-sequence clip flags by tokens; TRL (and we) average sequences
+        m, l_m = m[:-1], l_m[:-1]
+    for got, want in zip(m, l_m, strict=True):
+        assert_close(got, want, name="metric vs Liger", rtol=1e-5, atol=1e-6)

@@ -30,6 +30,7 @@ bench: setup
 	$(PY) benchmarks/bench_advantages.py
 	$(PY) benchmarks/bench_logprobs.py
 	$(PY) benchmarks/bench_loss.py
+	$(PY) benchmarks/bench_fused_linear.py
 
 lint: $(STAMP)
 	.venv/bin/ruff check grpo_kernels tests benchmarks setup.py

@@ -28,7 +28,7 @@ from .ops import loss as _loss_ops
 
 __all__ = ["FusedLinearGRPOLoss", "fused_linear_grpo_loss", "fused_linear_logprobs"]
 
-DEFAULT_CHUNK_BYTES = 64 * 2**20  # the logits chunk; small enough to stay far below the gradients' own size
+DEFAULT_CHUNK_BYTES = 256 * 2**20  # the logits chunk: large enough for efficient matmuls, far below the gradients
 
 
 def _chunk_rows(chunk_tokens, v: int, itemsize: int) -> int:
@@ -261,7 +261,7 @@ def fused_linear_grpo_loss(
         ids: the sampled token ids, `[B, L]` or `[T]`. advantages: `[B]` or per token.
         old_logps: as in grpo_loss (None = on-policy).
         temperature: the sampling temperature (logits / temperature).
-        chunk_tokens: tokens per chunk, or "auto" (a logits chunk of at most 64 MiB).
+        chunk_tokens: tokens per chunk, or "auto" (a logits chunk of at most 256 MiB).
         return_entropy: also report the masked mean entropy as metrics["entropy"].
         impl: "auto" (C++ row kernels on CPU, Triton on CUDA; matmuls by torch), "cpp", "triton", or
             "reference" (the naive eager path: full logits, log-softmax, the reference loss).

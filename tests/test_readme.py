@@ -18,4 +18,5 @@ def test_readme_python_example_runs():
     assert out.advantages.tolist() == pytest.approx([0.7071, -0.7071, -0.7071, 0.7071], abs=1e-4)
     loss, metrics = scope["loss"], scope["metrics"]
     assert loss.dim() == 0 and bool(loss.isfinite())
-    assert {"clip_ratio/region_mean", "ratio_mean", "entropy"} <= set(metrics)
+    assert {"clip_ratio/region_mean", "ratio_mean"} <= set(metrics)
+    assert scope["old"].shape == (2, 5) and not scope["old"].requires_grad

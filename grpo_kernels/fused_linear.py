@@ -235,6 +235,10 @@ class _FusedLinearGRPO(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
+        if getattr(ctx, "done", False):
+            raise RuntimeError("fused_linear_grpo_loss: one backward per forward (its gradients are computed in the "
+                               "forward and scaled in place by the backward)")  # fmt: skip
+        ctx.done = True
         saved = zip(ctx.saved_tensors, ctx.has, strict=True)
         return *[g.mul_(grad_loss.to(g.dtype)) if has else None for g, has in saved], None, None
 

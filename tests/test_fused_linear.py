@@ -129,6 +129,21 @@ def test_logprobs_without_logits_match_reference():
     assert not logps.requires_grad
 
 
+def test_scaled_loss_scales_gradients_and_second_backward_is_refused():
+    x = make()
+    kw = dict(old_logps=x["old"], mask=x["mask"], loss_type="grpo")
+    grads = []
+    for impl, scale in (("cpp", 3.0), ("reference", 3.0)):
+        w = x["weight"].clone().requires_grad_()
+        loss, _ = gk.fused_linear_grpo_loss(x["hidden"], w, x["ids"], x["adv"], impl=impl, **kw)
+        (loss * scale).backward(retain_graph=True)
+        grads.append(w.grad)
+        if impl == "cpp":
+            with pytest.raises(RuntimeError, match="one backward per forward"):
+                loss.backward()
+    assert_close(grads[0], grads[1], name="grad of 3 x loss")
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [

@@ -31,6 +31,8 @@ bench: setup
 	$(PY) benchmarks/bench_logprobs.py
 	$(PY) benchmarks/bench_loss.py
 	$(PY) benchmarks/bench_fused_linear.py
+	$(PY) benchmarks/bench_packing.py
+	$(PY) benchmarks/bench_planner.py
 
 lint: $(STAMP)
 	.venv/bin/ruff check grpo_kernels tests benchmarks setup.py

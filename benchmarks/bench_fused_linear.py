@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # importable from 
 import torch
 
 import grpo_kernels
-from benchmarks.common import RESULTS, append_csv, print_environment, run_meta
+from benchmarks.common import RESULTS, append_csv, print_environment, run_meta, status_kb
 from grpo_kernels import reference
 
 COLUMNS = ["timestamp", "device", "torch", "triton", "git_sha", "T", "H", "V", "dtype", "provider", "median_ms",
@@ -119,13 +119,6 @@ def time_ms(fn, device, repeats) -> float:
     return statistics.median(times) * 1e3
 
 
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def measure_peak(t, h, v, dtype, provider, device, chunk_tokens) -> float:
     """MB one fwd+bwd allocates beyond grad_hidden + grad_weight, in this (fresh) process."""
     small = make_inputs(min(t, 64), h, v, dtype, device, seed=1)
@@ -141,10 +134,10 @@ def measure_peak(t, h, v, dtype, provider, device, chunk_tokens) -> float:
         fn()
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - before) / 2**20 - grads_mb
-    before = _status_kb("VmRSS")
+    before = status_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (the peak RSS) to the current RSS
     fn()
-    return (_status_kb("VmHWM") - before) / 2**10 - grads_mb
+    return (status_kb("VmHWM") - before) / 2**10 - grads_mb
 
 
 def peak_in_fresh_process(*args) -> float | None:

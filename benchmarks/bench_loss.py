@@ -40,7 +40,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # importable from 
 import torch
 
 import grpo_kernels
-from benchmarks.common import RESULTS, append_csv, compile_checked, median_ms, plot_panels, print_environment, run_meta
+from benchmarks.common import (
+    RESULTS,
+    append_csv,
+    compile_checked,
+    median_ms,
+    plot_panels,
+    print_environment,
+    run_meta,
+    status_kb,
+)
 from grpo_kernels import reference
 
 COLUMNS = ["timestamp", "device", "torch", "triton", "git_sha", "op", "config", "mode", "T", "V", "provider",
@@ -147,13 +156,6 @@ def check(got, want):
         torch.testing.assert_close(got[1].float(), want[1].float(), rtol=1e-3, atol=1e-7)
 
 
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def measure_peak(op, config, t, v, provider, device) -> float:
     """Memory (MB) one fwd+bwd allocates above what is resident before it, in this (fresh) process."""
     x = make_inputs(op, t, v, device)
@@ -167,14 +169,14 @@ def measure_peak(op, config, t, v, provider, device) -> float:
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     else:
-        before = _status_kb("VmRSS")
+        before = status_kb("VmRSS")
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (the peak RSS) to the current RSS
     loss, _ = fn(inp)
     loss.backward()
     if device == "cuda":
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - before) / 2**20
-    return (_status_kb("VmHWM") - before) / 2**10
+    return (status_kb("VmHWM") - before) / 2**10
 
 
 def peak_in_fresh_process(op, config, t, v, provider, device) -> float | None:

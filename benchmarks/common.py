@@ -87,6 +87,14 @@ def print_environment(meta: dict) -> None:
     )
 
 
+def status_kb(field: str) -> int:
+    """A field of /proc/self/status in kB (VmRSS, VmHWM, ...); Linux only."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
 def append_csv(rows: list, path: Path, columns: list) -> None:
     """Append rows to the CSV at path, writing the header first if the file is new or empty."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -8,4 +8,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   init_advantages(m);
   init_logprobs(m);
   init_loss(m);
+  init_packing(m);
 }

@@ -14,7 +14,7 @@ except ImportError as exc:  # a clear message instead of a later AttributeError
         f"`pip install --no-build-isolation -e .` ({exc})"
     ) from exc
 
-from . import ops, reference, theory
+from . import attention, ops, packing, reference, theory
 from .advantages import group_advantages
 from .fused_linear import FusedLinearGRPOLoss, fused_linear_grpo_loss, fused_linear_logprobs
 from .logprobs import selective_logprobs
@@ -28,12 +28,14 @@ __all__ = [
     "GRPOLoss",
     "GroupAdvantages",
     "__version__",
+    "attention",
     "fused_linear_grpo_loss",
     "fused_linear_logprobs",
     "group_advantages",
     "grpo_loss",
     "grpo_loss_from_logits",
     "ops",
+    "packing",
     "reference",
     "selective_logprobs",
     "theory",

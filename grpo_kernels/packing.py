@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PackedBatch", "pack_sequences"]
+from .planner import Plan, plan_micro_batches
+
+__all__ = ["PackedBatch", "Plan", "pack_sequences", "plan_micro_batches"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,6 +37,13 @@ class PackedBatch:
     """[S + 1] int32: the attention segments (a sample; with a shared prefix, a whole group)."""
     max_seqlen: int
     """The longest segment."""
+    seq_index: torch.Tensor
+    """[T] int64: the attention segment of every token (the sample; with a shared prefix, the group)."""
+    completion_mask: torch.Tensor
+    """[T] float32: 1 where input_ids holds a completion token."""
+    sample_rows: torch.Tensor
+    """[B, max prompt + completion length] int64: sample b's tokens as rows of the packed batch, in order (a
+    shared prompt appears in every sample of its group); -1 pads. The index map back to (sample, position)."""
     logit_rows: torch.Tensor
     """[N] int64: for each completion token, the row of the packed logits / hidden states that predicts it."""
     completion_ids: torch.Tensor
@@ -61,6 +70,14 @@ class PackedBatch:
         if self.prefix_groups is not None:
             kw["prefix_groups"] = self.prefix_groups
         return kw
+
+    def unpack(self, values: torch.Tensor, pad: float = 0.0) -> torch.Tensor:
+        """Per-token values [T, ...] -> [B, L, ...]: each sample's prompt + completion, right-padded with pad."""
+        if values.shape[0] != self.num_tokens:
+            raise ValueError(f"values must have T={self.num_tokens} rows, got {tuple(values.shape)}")
+        rows = self.sample_rows.to(values.device)
+        out = values[rows.clamp(min=0)]
+        return out.masked_fill((rows < 0).reshape(*rows.shape, *([1] * (values.dim() - 1))), pad)
 
     def completions(self, values: torch.Tensor, pad: float = 0.0) -> torch.Tensor:
         """Per-completion-token values [N, ...] -> [B, max completion length, ...] (TRL's padded layout)."""
@@ -113,20 +130,24 @@ def pack_sequences(prompts: Sequence, completions: Sequence, *, shared_prefix: b
     if any(x.numel() == 0 for x in p):
         raise ValueError(f"prompts[{next(i for i, x in enumerate(p) if x.numel() == 0)}] is empty")
     groups = _groups(group_ids, p) if shared_prefix else [[i] for i in range(len(p))]
-    ids, pos, rows, cu, prefix = [], [], [None] * len(p), [0], []
+    ids, pos, rows, cu, prefix, is_completion = [], [], [None] * len(p), [0], [], []
+    sample_rows = [None] * len(p)
     t = 0
     for members in groups:
         prompt = p[members[0]]
         ids.append(prompt)
         pos.append(torch.arange(prompt.numel()))
-        last_prompt_row, t0 = t + prompt.numel() - 1, t
+        is_completion.append(torch.zeros(prompt.numel()))
+        prompt_rows, t0 = torch.arange(t, t + prompt.numel()), t
         t += prompt.numel()
         bounds = []
         for i in members:
             n = c[i].numel()
             ids.append(c[i])
             pos.append(torch.arange(prompt.numel(), prompt.numel() + n))
-            rows[i] = torch.cat([torch.tensor([last_prompt_row]), torch.arange(t, t + max(n - 1, 0))])[:n]
+            is_completion.append(torch.ones(n))
+            rows[i] = torch.cat([prompt_rows[-1:], torch.arange(t, t + max(n - 1, 0))])[:n]
+            sample_rows[i] = torch.cat([prompt_rows, torch.arange(t, t + n)])
             bounds.append((t, t + n))
             t += n
             if not shared_prefix:
@@ -138,10 +159,13 @@ def pack_sequences(prompts: Sequence, completions: Sequence, *, shared_prefix: b
     p_len = torch.tensor([x.numel() for x in p], dtype=torch.int64)
     c_len = torch.tensor([x.numel() for x in c], dtype=torch.int64)
     cu_t = torch.tensor(cu, dtype=torch.int32)
+    seq_index = torch.repeat_interleave(torch.arange(len(cu) - 1), cu_t.diff().long())
+    padded_rows = torch.nn.utils.rnn.pad_sequence(sample_rows, batch_first=True, padding_value=-1)
     to = lambda x: x.to(device) if device is not None else x  # noqa: E731
     return PackedBatch(
         input_ids=to(torch.cat(ids)[None]), position_ids=to(torch.cat(pos)[None]), cu_seqlens=to(cu_t),
-        max_seqlen=int(cu_t.diff().max()), logit_rows=to(torch.cat(rows)), completion_ids=to(torch.cat(c)),
+        max_seqlen=int(cu_t.diff().max()), seq_index=to(seq_index), completion_mask=to(torch.cat(is_completion)),
+        sample_rows=to(padded_rows), logit_rows=to(torch.cat(rows)), completion_ids=to(torch.cat(c)),
         completion_cu_seqlens=to(torch.cat([torch.zeros(1, dtype=torch.int64), c_len.cumsum(0)]).to(torch.int32)),
         prompt_lengths=to(p_len), completion_lengths=to(c_len), prefix_groups=tuple(prefix) if shared_prefix else None,
     )  # fmt: skip

@@ -92,6 +92,13 @@ def test_packed_batch_bookkeeping():
         rows = packed.logit_rows[packed.completion_cu_seqlens[i] : packed.completion_cu_seqlens[i + 1]]
         assert ids[rows].tolist() == torch.cat([prompts[i][-1:], c[:-1]]).tolist()[: c.numel()]
         assert bool((rows >= starts[i]).all())
+    for layout in (packed, pack_sequences(prompts, completions, shared_prefix=True, group_ids=groups)):
+        rows = layout.unpack(layout.input_ids[0], pad=-1)  # each sample's tokens back, in both layouts
+        for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+            assert rows[i, : lengths[i]].tolist() == torch.cat([p, c]).tolist()
+            assert bool((rows[i, lengths[i] :] == -1).all())
+        assert int(layout.completion_mask.sum()) == sum(c.numel() for c in completions)
+        assert layout.seq_index.shape == (layout.num_tokens,)
     shared = pack_sequences(prompts, completions, shared_prefix=True, group_ids=groups)
     assert shared.num_tokens == packed.num_tokens - sum(p.numel() for p in prompts[1::3] + prompts[2::3])
     assert torch.equal(shared.completion_ids, packed.completion_ids)
@@ -124,3 +131,15 @@ def test_hf_padding_mask_is_refused():
     mask[1, 4:] = 0
     with pytest.raises(ValueError, match="padding"):
         model(input_ids=ids, attention_mask=mask, use_cache=False)
+
+
+def test_empty_completions_give_no_loss_tokens_and_no_nan():
+    prompts, completions, _ = samples()
+    packed = pack_sequences(prompts, completions)
+    n = packed.completion_ids.shape[0]
+    logps = (-torch.rand(n)).requires_grad_()
+    loss, metrics = gk.grpo_loss(logps, None, torch.randn(len(prompts)), cu_seqlens=packed.completion_cu_seqlens,
+                                 loss_type="grpo")  # fmt: skip
+    loss.backward()
+    assert torch.isfinite(loss) and all(bool(torch.isfinite(v)) for v in metrics.values())
+    assert packed.completion_lengths[1] == 0 and bool(torch.isfinite(logps.grad).all())

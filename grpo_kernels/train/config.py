@@ -1,0 +1,565 @@
+"""The trainer's configuration: one dataclass per section, validated when built, loaded from TOML plus overrides.
+
+    config = load_config("run.toml", ["--sampling.group_size=16", "loss.beta=0.04"])
+    save_config(config, "runs/demo/config.toml")   # load_config of that file gives back an equal config
+
+Example TOML (every key is optional and defaults to a tiny CPU demo; tables are the sections, `seed` is
+top-level; TOML has no null, so the string "none" sets an optional field to None):
+
+    seed = 0
+
+    [model]
+    name = "tiny"            # or a local HF model directory
+    dtype = "float32"
+
+    [task]
+    name = "add"
+    difficulty = 3
+
+    [sampling]
+    group_size = 16
+    max_new_tokens = 8
+
+    [loss]
+    loss_type = "dapo"
+    epsilon_high = 0.28
+
+    [optim]
+    lr = 1e-3
+    betas = [0.9, 0.95]
+    grad_clip = "none"
+
+Override strings are `section.field=value` (or `seed=value`), with or without leading dashes; the value is
+parsed by the field's type: bools as true/false/1/0/yes/no, "none"/"null" for None, tuples as "0.9,0.95".
+"""
+
+import math
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from functools import cache
+from pathlib import Path
+from typing import ClassVar
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from ..loss import _options as _loss_options
+from ..planner import ALGORITHMS
+
+__all__ = [
+    "CheckpointConfig", "DistributedConfig", "GroupSizeConfig", "LoggingConfig", "LossConfig", "ModelConfig",
+    "OptimConfig", "PackingConfig", "SamplingConfig", "TaskConfig", "TrainConfig", "load_config", "save_config",
+    "to_dict",
+]  # fmt: skip
+
+TASK_NAMES = ("reverse", "add", "jsonl")
+_NONE = ("none", "null")
+_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Field checks shared by every section.
+
+
+@cache
+def _field_types(cls) -> dict:
+    """{field name: resolved annotation} of a config dataclass, in declaration order."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls)}
+
+
+def _unwrap_optional(tp) -> tuple[object, bool]:
+    """(X, True) for `X | None`, (tp, False) for any other annotation."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0], len(args) < len(typing.get_args(tp))
+    return tp, False
+
+
+def _typed(name: str, tp, value):
+    """value checked against annotation tp and normalized (int -> float, list -> tuple, "none" -> None)."""
+    inner, optional = _unwrap_optional(tp)
+    if optional and (value is None or (isinstance(value, str) and value.strip().lower() in _NONE)):
+        return None
+    if inner is bool and isinstance(value, bool):
+        return value
+    if inner is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if inner is float and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    if inner is str and isinstance(value, str):
+        return value
+    if typing.get_origin(inner) is tuple:
+        args = typing.get_args(inner)
+        if isinstance(value, (list, tuple)) and len(value) == len(args):
+            return tuple(_typed(f"{name}[{i}]", a, v) for i, (a, v) in enumerate(zip(args, value, strict=True)))
+    raise ValueError(f"{name} must be {_describe(tp)}, got {value!r}")
+
+
+def _describe(tp) -> str:
+    inner, optional = _unwrap_optional(tp)
+    if typing.get_origin(inner) is tuple:
+        text = f"a list of {len(typing.get_args(inner))} numbers"
+    else:
+        text = {bool: "a bool", int: "an int", float: "a finite number", str: "a string"}[inner]
+    return text + " or none" * optional
+
+
+def _parse(name: str, tp, text: str):
+    """A command-line string as the type of annotation tp (checked afterwards by _typed)."""
+    inner, optional = _unwrap_optional(tp)
+    s = text.strip()
+    if optional and s.lower() in _NONE:
+        return None
+    if inner is str:
+        return text
+    if typing.get_origin(inner) is tuple:
+        args, parts = typing.get_args(inner), s.strip("()[]").split(",")
+        if len(parts) != len(args):
+            raise ValueError(f"{name} must be {_describe(tp)} (like 0.9,0.95), got {text!r}")
+        return [_parse(f"{name}[{i}]", a, p) for i, (a, p) in enumerate(zip(args, parts, strict=True))]
+    try:
+        return _BOOLS[s.lower()] if inner is bool else inner(s)
+    except (KeyError, ValueError):
+        hint = " (true/false/1/0/yes/no)" if inner is bool else ""
+        raise ValueError(f"{name} must be {_describe(tp)}{hint}, got {text!r}") from None
+
+
+def _validate(config, *, at_least: dict | None = None, choices: dict | None = None) -> None:
+    """Type-check and normalize every field, then the lower bounds {field: low} and the {field: allowed values}."""
+    for name, tp in _field_types(type(config)).items():
+        setattr(config, name, _typed(f"{config.section}.{name}", tp, getattr(config, name)))
+    for name, low in (at_least or {}).items():
+        _check(config, name, getattr(config, name) >= low, f">= {low}")
+    for name, allowed in (choices or {}).items():
+        _check(config, name, getattr(config, name) in allowed, f"one of {', '.join(map(repr, allowed))}")
+
+
+def _check(config, name: str, ok: bool, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"{config.section}.{name} must be {rule}, got {getattr(config, name)!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sections.
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    section: ClassVar[str] = "model"
+
+    name: str = "tiny"
+    """Either "tiny" (the built-in random-init decoder, `tasks.tiny_model`) or a local HF model directory."""
+    hidden_size: int = 128
+    """Hidden size of the tiny decoder (the sizes below apply to "tiny" only; an HF model brings its own)."""
+    num_layers: int = 2
+    """Decoder layers of the tiny model."""
+    num_heads: int = 4
+    """Attention (query) heads of the tiny model."""
+    num_kv_heads: int = 2
+    """Key/value heads of the tiny model (grouped-query attention); divides num_heads."""
+    head_dim: int = 32
+    """Per-head size of the tiny model; >= 32 (vLLM's CPU minimum)."""
+    dtype: str = "float32"
+    """Parameter dtype: "float32" or "bfloat16"."""
+    attn_implementation: str = "grpo_varlen"
+    """HF attention: "grpo_varlen" (packed, padding-free; registered by the trainer), "sdpa" or "eager"."""
+
+    def __post_init__(self):
+        _validate(
+            self, at_least={"hidden_size": 1, "num_layers": 1, "num_heads": 1, "num_kv_heads": 1, "head_dim": 32},
+            choices={"dtype": ("float32", "bfloat16"), "attn_implementation": ("grpo_varlen", "sdpa", "eager")},
+        )  # fmt: skip
+        _check(self, "name", self.name != "", "a non-empty string")
+        _check(self, "num_kv_heads", self.num_heads % self.num_kv_heads == 0, f"a divisor of {self.num_heads}")
+
+
+@dataclass(kw_only=True, slots=True)
+class TaskConfig:
+    section: ClassVar[str] = "task"
+
+    name: str = "reverse"
+    """The task: "reverse", "add" (built in, generated) or "jsonl" (prompt/answer lines from `path`)."""
+    difficulty: int = 1
+    """Difficulty of a built-in task, 1..10 (ignored by "jsonl")."""
+    path: str | None = None
+    """JSONL file of {"prompt": ..., "answer": ...} lines; required for "jsonl", not allowed otherwise."""
+    num_train_prompts: int = 512
+    """Training prompts (a built-in task generates them; "jsonl" takes at most this many)."""
+    num_eval_prompts: int = 64
+    """Held-out prompts for evaluation (0 = no evaluation)."""
+    seed: int = 0
+    """Seed of the prompt generator and of the train/eval split."""
+    sft_warmup_steps: int = 0
+    """Supervised steps on the reference answers before GRPO (0 = none)."""
+
+    def __post_init__(self):
+        _validate(
+            self, at_least={"num_train_prompts": 1, "num_eval_prompts": 0, "sft_warmup_steps": 0},
+            choices={"name": TASK_NAMES},
+        )  # fmt: skip
+        _check(self, "difficulty", 1 <= self.difficulty <= 10, "in 1..10")
+        if self.name == "jsonl":
+            _check(self, "path", self.path not in (None, ""), 'a JSONL file path when task.name is "jsonl"')
+        else:
+            _check(self, "path", self.path is None, f"none for the built-in task {self.name!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class SamplingConfig:
+    section: ClassVar[str] = "sampling"
+
+    sampler: str = "hf"
+    """Who generates the completions: "hf" (the policy's own `generate`) or "vllm"."""
+    group_size: int = 8
+    """G, completions per prompt; >= 2 (a group of one has no relative advantage)."""
+    prompts_per_step: int = 8
+    """Prompts per optimizer step, so prompts_per_step * group_size completions."""
+    max_new_tokens: int = 16
+    """Longest completion, in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0); the trainer's log-probs use the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, 0 < top_p <= 1 (1 = off)."""
+
+    def __post_init__(self):
+        _validate(
+            self,
+            at_least={"group_size": 2, "prompts_per_step": 1, "max_new_tokens": 1},
+            choices={"sampler": ("hf", "vllm")},
+        )
+        _check(self, "temperature", self.temperature > 0, "> 0")
+        _check(self, "top_p", 0 < self.top_p <= 1, "in (0, 1]")
+
+
+_GIVEN = object()  # stands for a tensor the trainer will pass (sampler_logps, ref_logps) when checking options
+
+
+@dataclass(kw_only=True, slots=True)
+class LossConfig:
+    """The options of `grpo_kernels.grpo_loss` that a run sets, with its defaults and its validation."""
+
+    section: ClassVar[str] = "loss"
+
+    loss_type: str = "dapo"
+    """Aggregation/objective: "grpo", "bnpo", "dr_grpo", "dapo", "cispo" or "sapo"."""
+    epsilon_low: float = 0.2
+    """Lower clip: the ratio is clipped at 1 - epsilon_low; 0 <= epsilon_low < 1."""
+    epsilon_high: float = 0.2
+    """Upper clip at 1 + epsilon_high (DAPO's clip-higher uses 0.28); cispo's cap on the ratio."""
+    delta: float | None = None
+    """Two-sided clip: the ratio is also capped at delta (> 0) for negative advantages; None = off."""
+    beta: float = 0.0
+    """Weight of the k3 KL to the reference model (0 = no reference model is loaded)."""
+    importance_sampling_level: str = "token"
+    """One importance ratio per "token", or per "sequence" (GSPO)."""
+    max_completion_length: int | None = None
+    """dr_grpo's normalizing constant; None = the longest completion of the micro-batch."""
+    sampler_is_mode: str | None = None
+    """Correction for the trainer/sampler mismatch: None, "token_truncate", "token_mask", "sequence_truncate" or
+    "sequence_mask" (the trainer then passes the sampler's log-probs)."""
+    sampler_is_cap: float = 3.0
+    """Where the sampler correction truncates or masks the ratio (> 0)."""
+    use_bias_correction_kl: bool = False
+    """Multiply the KL term by the importance ratio."""
+    sapo_temperature_pos: float = 1.0
+    """SAPO's gate temperature for positive advantages (> 0)."""
+    sapo_temperature_neg: float = 1.05
+    """SAPO's gate temperature for negative advantages (> 0)."""
+
+    def __post_init__(self):
+        _validate(self)
+        try:
+            _loss_options(
+                **self.kwargs(), num_items_in_batch=None, ref_logps=_GIVEN if self.beta != 0 else None,
+                sampler_logps=_GIVEN if self.sampler_is_mode is not None else None,
+            )  # fmt: skip
+        except ValueError as exc:  # grpo_loss's message starts with the option's name
+            raise ValueError(f"loss.{exc}") from None
+
+    def kwargs(self) -> dict:
+        """The keyword arguments of `grpo_kernels.grpo_loss` (and `fused_linear_grpo_loss`) for this config."""
+        return {name: getattr(self, name) for name in _field_types(LossConfig)}
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    section: ClassVar[str] = "optim"
+
+    lr: float = 1e-3
+    """Peak learning rate of AdamW (> 0)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (>= 0)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas, each in [0, 1); "0.9,0.95" on the command line."""
+    warmup_steps: int = 0
+    """Linear warm-up steps from 0 to lr (0 = none)."""
+    schedule: str = "constant"
+    """Learning rate after the warm-up: "constant" or "cosine" (to 0 at the last step)."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm at this value (> 0); None = no clipping."""
+    num_iterations: int = 1
+    """mu, optimizer steps on each batch of completions (> 1 makes old log-probs differ from the policy's)."""
+    steps: int = 50
+    """Training steps (each samples a new batch of completions)."""
+
+    def __post_init__(self):
+        _validate(
+            self, at_least={"weight_decay": 0, "warmup_steps": 0, "num_iterations": 1, "steps": 1},
+            choices={"schedule": ("constant", "cosine")},
+        )  # fmt: skip
+        _check(self, "lr", self.lr > 0, "> 0")
+        _check(self, "betas", all(0 <= b < 1 for b in self.betas), "two numbers in [0, 1)")
+        _check(self, "grad_clip", self.grad_clip is None or self.grad_clip > 0, "> 0 or none")
+
+
+@dataclass(kw_only=True, slots=True)
+class PackingConfig:
+    section: ClassVar[str] = "packing"
+
+    token_budget: int = 4096
+    """Most tokens in one packed micro-batch (a longer sample runs alone)."""
+    shared_prefix: bool = False
+    """Pack each group's prompt once, its completions attending to it (needs attn_implementation "grpo_varlen")."""
+    algorithm: str = "karmarkar_karp"
+    """How samples are split into micro-batches: "karmarkar_karp" (best balance) or "greedy"."""
+
+    def __post_init__(self):
+        _validate(self, at_least={"token_budget": 1}, choices={"algorithm": tuple(ALGORITHMS)})
+
+
+@dataclass(kw_only=True, slots=True)
+class GroupSizeConfig:
+    section: ClassVar[str] = "group_size"
+
+    adaptive: bool = False
+    """Grow G (up to max_group_size) while the invalid-group rate exceeds invalid_rate_threshold."""
+    max_group_size: int = 32
+    """Upper bound on the adaptive G; >= sampling.group_size when adaptive."""
+    invalid_rate_threshold: float = 0.5
+    """Invalid-group rate (all-equal rewards, no gradient) above which G grows, in [0, 1]."""
+    window: int = 5
+    """Steps over which the invalid-group rate is averaged."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: resample prompts whose group came back invalid."""
+    max_resample_rounds: int = 2
+    """Resampling rounds per step with dynamic_sampling (0 = none)."""
+
+    def __post_init__(self):
+        _validate(self, at_least={"max_group_size": 2, "window": 1, "max_resample_rounds": 0})
+        _check(self, "invalid_rate_threshold", 0 <= self.invalid_rate_threshold <= 1, "in [0, 1]")
+
+
+@dataclass(kw_only=True, slots=True)
+class DistributedConfig:
+    section: ClassVar[str] = "distributed"
+
+    backend: str = "auto"
+    """torch.distributed backend under torchrun: "auto" (nccl on CUDA, else gloo), "gloo" or "nccl"."""
+
+    def __post_init__(self):
+        _validate(self, choices={"backend": ("auto", "gloo", "nccl")})
+
+
+@dataclass(kw_only=True, slots=True)
+class LoggingConfig:
+    section: ClassVar[str] = "logging"
+
+    run_dir: str = "runs/grpo"
+    """Directory of the run: config.toml, metrics, checkpoints."""
+    log_every: int = 1
+    """Log metrics every this many steps."""
+    tensorboard: bool = False
+    """Also write TensorBoard events (needs the tensorboard package)."""
+
+    def __post_init__(self):
+        _validate(self, at_least={"log_every": 1})
+        _check(self, "run_dir", self.run_dir != "", "a non-empty path")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    section: ClassVar[str] = "checkpoint"
+
+    every: int = 0
+    """Save a checkpoint every this many steps (0 = never; the last step is not saved unless it is a multiple)."""
+    resume: str | None = None
+    """Run directory to resume from (its latest checkpoint); None = start fresh."""
+
+    def __post_init__(self):
+        _validate(self, at_least={"every": 0})
+        _check(self, "resume", self.resume != "", "a run directory or none")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """A whole run: the sections and the seed; checks the rules that span sections."""
+
+    seed: int = 0
+    """Seed of the model's initialization, the sampling and the training."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """Prompts and reward."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Completion generation."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """grpo_loss options."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and schedule."""
+    packing: PackingConfig = field(default_factory=PackingConfig)
+    """Micro-batch packing."""
+    group_size: GroupSizeConfig = field(default_factory=GroupSizeConfig)
+    """Adaptive group size and dynamic sampling."""
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """Multi-process training."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints and resuming."""
+
+    def __post_init__(self):
+        self.seed = _typed("seed", int, self.seed)
+        for name, cls in _sections().items():
+            if not isinstance(getattr(self, name), cls):
+                raise ValueError(f"{name} must be a {cls.__name__}, got {getattr(self, name)!r}")
+        g, gs = self.sampling.group_size, self.group_size
+        if gs.adaptive and gs.max_group_size < g:
+            raise ValueError(
+                f"group_size.max_group_size must be >= sampling.group_size ({g}) when group_size.adaptive is true, "
+                f"got {gs.max_group_size}"
+            )
+        mcl, new = self.loss.max_completion_length, self.sampling.max_new_tokens
+        if mcl is not None and mcl < new:
+            raise ValueError(f"loss.max_completion_length must be >= sampling.max_new_tokens ({new}), got {mcl}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading and saving.
+
+
+def _sections() -> dict[str, type]:
+    """{section name: dataclass} in TrainConfig's order."""
+    return {name: tp for name, tp in _field_types(TrainConfig).items() if name != "seed"}
+
+
+def _lookup(section: str, name: str | None):
+    """The annotation of `section.name` (name None: the top-level key `section`); ValueError listing valid names."""
+    sections = _sections()
+    if name is None:
+        if section == "seed":
+            return int
+        if section in sections:
+            raise ValueError(f"{section} is a section: set its fields as {section}.field=value")
+        raise ValueError(f"unknown section or key {section!r}; valid sections: {', '.join(sections)}; top-level: seed")
+    if section not in sections:
+        raise ValueError(f"unknown section {section!r}; valid sections: {', '.join(sections)}")
+    types_ = _field_types(sections[section])
+    if name not in types_:
+        raise ValueError(f"unknown field {section}.{name}; valid fields of [{section}]: {', '.join(types_)}")
+    return types_[name]
+
+
+def _read_toml(path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ValueError(f"cannot read config {path}: {exc.strerror or exc}") from exc
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"invalid TOML in config {path}: {exc}") from exc
+
+
+def _override_items(overrides) -> list[tuple[str, object]]:
+    """(key, value) pairs from "--section.field=value" strings or a dict (flat keys or {section: {field: value}})."""
+    if overrides is None:
+        return []
+    if isinstance(overrides, dict):
+        items = []
+        for key, value in overrides.items():
+            if key in _sections() and isinstance(value, dict):
+                items += [(f"{key}.{k}", v) for k, v in value.items()]
+            else:
+                items.append((key, value))
+        return items
+    items = []
+    for text in overrides:
+        key, sep, value = str(text).lstrip("-").partition("=")
+        if not sep:
+            raise ValueError(f"override {text!r} must look like section.field=value")
+        items.append((key.strip(), value))
+    return items
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> TrainConfig:
+    """The defaults, updated by the TOML file at `path`, then by `overrides` (applied in order); validated."""
+    top: dict = {}
+    values: dict = {name: {} for name in _sections()}
+    if path is not None:
+        for key, table in _read_toml(path).items():
+            if key not in values:
+                _lookup(key, None)  # ValueError unless a top-level key
+                top[key] = table
+            elif not isinstance(table, dict):
+                raise ValueError(f"{key} in {path} must be a table ([{key}]), got {table!r}")
+            else:
+                for name, value in table.items():
+                    _lookup(key, name)
+                    values[key][name] = value
+    for key, value in _override_items(overrides):
+        section, dot, name = key.partition(".")
+        tp = _lookup(section, name if dot else None)
+        if isinstance(value, str):
+            value = _parse(key, tp, value)
+        (values[section] if dot else top)[name if dot else section] = value
+    return TrainConfig(**top, **{name: cls(**values[name]) for name, cls in _sections().items()})
+
+
+def to_dict(config: TrainConfig) -> dict:
+    """{"seed": ..., section: {field: value}} with every field (None included); tuples become lists."""
+    out: dict = {"seed": config.seed}
+    for name in _sections():
+        section, table = getattr(config, name), {}
+        for key in _field_types(type(section)):
+            value = getattr(section, key)
+            table[key] = list(value) if isinstance(value, tuple) else value
+        out[name] = table
+    return out
+
+
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)  # finite (validated); repr round-trips a float exactly
+    if isinstance(value, str):
+        return '"' + "".join(_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 32 or ord(c) == 127 else c)
+                             for c in value) + '"'  # fmt: skip
+    return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+
+
+def _default(f):
+    return f.default_factory() if f.default is MISSING else f.default
+
+
+def save_config(config: TrainConfig, path: str | Path) -> None:
+    """Write config as TOML (creating the parent directory); `load_config(path)` gives back an equal config.
+    A None field is left out when its default is None and written as "none" otherwise."""
+    data = to_dict(config)
+    lines = [f"seed = {_toml_value(data.pop('seed'))}"]
+    for name, table in data.items():
+        defaults = {f.name: _default(f) for f in fields(_sections()[name])}
+        lines += ["", f"[{name}]"]
+        for key, value in table.items():
+            if value is None and defaults[key] is None:
+                continue
+            lines.append(f"{key} = {_toml_value('none' if value is None else value)}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")

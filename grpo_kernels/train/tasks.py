@@ -1,0 +1,203 @@
+"""Built-in verifiable tasks, a character tokenizer and a tiny decoder: GRPO with no download.
+
+    reverse   "reverse:abcd=" -> "dcba"          difficulty d: d + 1 .. 2d + 1 letters
+    add       "37+405=" -> "442"                  difficulty d: operands of 1 .. d digits
+    jsonl     {"prompt": ..., "answer": ...} lines from a file, for real models and tokenizers
+
+Rewards are binary (1.0 for a correct answer, else 0.0): exact match after stripping whitespace, or numeric
+equality for numbers; `math_verify` is used for the JSONL task when installed and asked for. Everything is
+deterministic given a seed (`random.Random`), so a resumed run sees the same prompts.
+"""
+
+import json
+import random
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["CharTokenizer", "Example", "Task", "exact_match", "load_jsonl", "make_task", "numeric_match", "tiny_model"]
+
+
+@dataclass(frozen=True, slots=True)
+class Example:
+    """One prompt with its reference answer."""
+
+    prompt: str
+    answer: str
+
+
+class CharTokenizer:
+    """Characters to ids, built in code: <pad> = 0, <bos> = 1, <eos> = 2, then a fixed printable alphabet."""
+
+    SPECIALS = ("<pad>", "<bos>", "<eos>")
+    ALPHABET = string.ascii_lowercase + string.digits + "+-*=:?., "
+
+    def __init__(self):
+        self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
+        self._ids = {c: i + len(self.SPECIALS) for i, c in enumerate(self.ALPHABET)}
+        self._chars = {i: c for c, i in self._ids.items()}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.SPECIALS) + len(self.ALPHABET)
+
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+        """Token ids of text; ValueError on a character outside the alphabet."""
+        bad = sorted({c for c in text if c not in self._ids})
+        if bad:
+            raise ValueError(f"characters {bad} are not in the tokenizer's alphabet {self.ALPHABET!r}")
+        return [self.bos_id] * bos + [self._ids[c] for c in text] + [self.eos_id] * eos
+
+    def decode(self, ids) -> str:
+        """Text of ids up to the first <eos>; <pad>/<bos> are dropped."""
+        out = []
+        for i in (int(x) for x in ids):
+            if i == self.eos_id:
+                break
+            if i in self._chars:
+                out.append(self._chars[i])
+        return "".join(out)
+
+
+def exact_match(completion: str, answer: str) -> float:
+    return float(completion.strip() == answer.strip())
+
+
+def numeric_match(completion: str, answer: str) -> float:
+    """1.0 when both parse as the same number (int or float), else 0.0."""
+    try:
+        return float(abs(float(completion.strip()) - float(answer.strip())) <= 1e-9 * max(1.0, abs(float(answer))))
+    except ValueError:
+        return 0.0
+
+
+class Task:
+    """A source of examples and their reward."""
+
+    name = "task"
+
+    def __init__(self, difficulty: int = 1):
+        if isinstance(difficulty, bool) or not isinstance(difficulty, int) or not 1 <= difficulty <= 10:
+            raise ValueError(f"difficulty must be an int in 1..10, got {difficulty!r}")
+        self.difficulty = difficulty
+
+    def example(self, rng: random.Random) -> Example:
+        raise NotImplementedError
+
+    def examples(self, n: int, seed: int) -> list[Example]:
+        rng = random.Random(seed)
+        return [self.example(rng) for _ in range(n)]
+
+    def reward(self, completion: str, example: Example) -> float:
+        return exact_match(completion, example.answer)
+
+
+class ReverseTask(Task):
+    """Reverse a string of lowercase letters: multi-token answers whose length grows with the difficulty."""
+
+    name = "reverse"
+
+    def example(self, rng):
+        length = rng.randint(self.difficulty + 1, 2 * self.difficulty + 1)
+        word = "".join(rng.choice(string.ascii_lowercase) for _ in range(length))
+        return Example(prompt=f"reverse:{word}=", answer=word[::-1])
+
+
+class AddTask(Task):
+    """Add two non-negative integers of 1 .. difficulty digits."""
+
+    name = "add"
+
+    def example(self, rng):
+        a, b = (rng.randint(0, 10 ** rng.randint(1, self.difficulty) - 1) for _ in range(2))
+        return Example(prompt=f"{a}+{b}=", answer=str(a + b))
+
+    def reward(self, completion, example):
+        return numeric_match(completion, example.answer)
+
+
+class JsonlTask(Task):
+    """Examples from a JSONL file of {"prompt", "answer"} objects; reward by exact, numeric or math_verify match."""
+
+    name = "jsonl"
+
+    def __init__(self, path, *, reward: str = "exact"):
+        super().__init__(1)
+        if reward not in ("exact", "numeric", "math_verify"):
+            raise ValueError(f"reward must be 'exact', 'numeric' or 'math_verify', got {reward!r}")
+        if reward == "math_verify":
+            try:
+                import math_verify  # noqa: F401
+            except ImportError as exc:
+                raise ValueError("reward='math_verify' needs the math_verify package") from exc
+        self.data, self.kind = load_jsonl(path), reward
+
+    def example(self, rng):
+        return rng.choice(self.data)
+
+    def reward(self, completion, example):
+        if self.kind == "numeric":
+            return numeric_match(completion, example.answer)
+        if self.kind == "math_verify":
+            from math_verify import parse, verify
+
+            return float(verify(parse(example.answer), parse(completion)))
+        return exact_match(completion, example.answer)
+
+
+TASKS = {"reverse": ReverseTask, "add": AddTask}
+
+
+def make_task(name: str, *, difficulty: int = 1, path=None, reward: str = "exact") -> Task:
+    """A built-in task ("reverse", "add") at a difficulty, or "jsonl" from `path`."""
+    if name == "jsonl":
+        if path is None:
+            raise ValueError("task 'jsonl' needs a path")
+        return JsonlTask(path, reward=reward)
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; built-in tasks: {sorted(TASKS)} (or 'jsonl')")
+    return TASKS[name](difficulty)
+
+
+def load_jsonl(path) -> list[Example]:
+    """Examples from a JSONL file; a clear ValueError for an unreadable file, bad JSON or missing keys."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    out = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from exc
+        missing = [k for k in ("prompt", "answer") if not isinstance(row, dict) or k not in row]
+        if missing:
+            raise ValueError(f"{path}:{number}: missing key(s) {missing}")
+        out.append(Example(prompt=str(row["prompt"]), answer=str(row["answer"])))
+    if not out:
+        raise ValueError(f"{path}: no examples")
+    return out
+
+
+def tiny_model(vocab_size: int, *, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+               attn_implementation="grpo_varlen", seed=0):  # fmt: skip
+    """A random-init Qwen2-style decoder built from a config (no download). head_dim >= 32 (vLLM's CPU minimum)."""
+    import torch
+    import transformers
+
+    if head_dim < 32:
+        raise ValueError(f"head_dim must be >= 32, got {head_dim}")
+    if attn_implementation == "grpo_varlen":
+        from ..attention import register_hf_attention
+
+        register_hf_attention()
+    config = transformers.Qwen2Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
+        max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)

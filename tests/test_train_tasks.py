@@ -1,0 +1,80 @@
+"""Built-in tasks, rewards, the character tokenizer, the JSONL loader and the tiny decoder."""
+
+import json
+
+import pytest
+import torch
+
+from grpo_kernels.train.tasks import CharTokenizer, exact_match, load_jsonl, make_task, numeric_match, tiny_model
+
+
+def test_tokenizer_round_trip_and_specials():
+    tok = CharTokenizer()
+    text = "reverse:abc=cba"
+    ids = tok.encode(text, bos=True, eos=True)
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id and len(ids) == len(text) + 2
+    assert tok.decode(ids) == text
+    assert tok.decode(tok.encode("12+3=") + [tok.eos_id] + tok.encode("junk")) == "12+3="
+    assert max(ids) < tok.vocab_size
+    with pytest.raises(ValueError, match="alphabet"):
+        tok.encode("ABC")
+
+
+@pytest.mark.parametrize("name", ["reverse", "add"])
+def test_tasks_are_deterministic_and_rewards_are_binary(name):
+    task = make_task(name, difficulty=3)
+    a, b = task.examples(20, seed=7), task.examples(20, seed=7)
+    assert a == b and a != task.examples(20, seed=8)
+    tok = CharTokenizer()
+    for ex in a:
+        tok.encode(ex.prompt + ex.answer)  # in the alphabet
+        assert task.reward(ex.answer, ex) == 1.0
+        assert task.reward(ex.answer + "1", ex) == 0.0
+        assert task.reward("", ex) == 0.0
+
+
+def test_difficulty_controls_answer_length():
+    short = [len(e.answer) for e in make_task("reverse", difficulty=1).examples(200, seed=0)]
+    long = [len(e.answer) for e in make_task("reverse", difficulty=6).examples(200, seed=0)]
+    assert max(short) <= 3 and min(long) >= 7
+    sums = make_task("add", difficulty=4).examples(200, seed=0)
+    assert all(str(int(e.prompt.split("+")[0]) + int(e.prompt[:-1].split("+")[1])) == e.answer for e in sums)
+    with pytest.raises(ValueError, match="difficulty"):
+        make_task("add", difficulty=0)
+    with pytest.raises(ValueError, match="unknown task"):
+        make_task("sort")
+
+
+def test_reward_functions():
+    assert exact_match(" abc ", "abc") == 1.0 and exact_match("abd", "abc") == 0.0
+    assert numeric_match("42", "42.0") == 1.0 and numeric_match("4 2", "42") == 0.0 and numeric_match("x", "1") == 0.0
+
+
+def test_jsonl_loader_and_its_errors(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"prompt": "1+1=", "answer": 2}) + "\n\n" + json.dumps({"prompt": "p", "answer": "a"}))
+    examples = load_jsonl(good)
+    assert [e.answer for e in examples] == ["2", "a"]
+    task = make_task("jsonl", path=good, reward="numeric")
+    assert task.reward("2.0", examples[0]) == 1.0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: missing key\(s\) \['answer'\]"):
+        load_jsonl(bad)
+    bad.write_text("{not json\n")
+    with pytest.raises(ValueError, match="not JSON"):
+        load_jsonl(bad)
+    with pytest.raises(ValueError, match="cannot read"):
+        load_jsonl(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="needs a path"):
+        make_task("jsonl")
+
+
+def test_tiny_model_runs_packed_and_rejects_small_heads():
+    tok = CharTokenizer()
+    model = tiny_model(tok.vocab_size)
+    ids = torch.tensor([tok.encode("ab", bos=True) + tok.encode("12", bos=True)])
+    out = model(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]), use_cache=False)
+    assert out.logits.shape == (1, 6, tok.vocab_size) and bool(torch.isfinite(out.logits).all())
+    with pytest.raises(ValueError, match="head_dim"):
+        tiny_model(tok.vocab_size, head_dim=16)

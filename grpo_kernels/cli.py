@@ -1,4 +1,5 @@
-"""Command line: `grpo-kernels demo` (also `python -m grpo_kernels.cli demo`, what `make demo` runs).
+"""Command line: `grpo-kernels demo` (also `python -m grpo_kernels.cli demo`, what `make demo` runs) and
+`grpo-kernels train [--config FILE] [--section.field=value ...]` (grpo_kernels.train.trainer).
 
 The demo scores a simulated GRPO batch (prompts of varying difficulty, G completions each, a correctness
 reward and a format reward), computes the advantages with the compiled kernel, checks them against the
@@ -65,9 +66,21 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--group-size", type=int, default=16, help="completions per prompt (G)")
     d.add_argument("--format-weight", type=float, default=0.1, help="weight of the format reward")
     d.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    t = sub.add_parser("train", help="GRPO training (grpo_kernels.train); extra --section.field=value override")
+    t.add_argument("--config", help="a TOML file (see grpo_kernels/train/config.py)")
+    args, overrides = parser.parse_known_args(argv)
     if args.command == "demo":
+        if overrides:
+            parser.error(f"unrecognized arguments: {' '.join(overrides)}")
         demo(args)
+    elif args.command == "train":
+        from .train.config import load_config
+        from .train.trainer import train
+
+        try:
+            train(load_config(args.config, overrides))
+        except (ValueError, NotImplementedError) as exc:  # one clear line, non-zero exit
+            raise SystemExit(f"grpo-kernels train: error: {exc}") from None
 
 
 if __name__ == "__main__":

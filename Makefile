@@ -22,6 +22,8 @@ build: $(STAMP)
 
 demo: setup
 	$(PY) -m grpo_kernels.cli demo
+	$(PY) -m grpo_kernels.cli train --config examples/train_tiny_cpu.toml
+	$(PY) -m grpo_kernels.cli plot runs/tiny-cpu
 
 test: setup lint
 	$(PY) -m pytest -q tests

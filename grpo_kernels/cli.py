@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--seed", type=int, default=0)
     t = sub.add_parser("train", help="GRPO training (grpo_kernels.train); extra --section.field=value override")
     t.add_argument("--config", help="a TOML file (see grpo_kernels/train/config.py)")
+    pl = sub.add_parser("plot", help="PNGs of a training run (reward, invalid groups vs theory, throughput)")
+    pl.add_argument("run_dir")
     args, overrides = parser.parse_known_args(argv)
     if args.command == "demo":
         if overrides:
@@ -81,6 +83,14 @@ def main(argv: list[str] | None = None) -> None:
             train(load_config(args.config, overrides))
         except (ValueError, NotImplementedError) as exc:  # one clear line, non-zero exit
             raise SystemExit(f"grpo-kernels train: error: {exc}") from None
+    elif args.command == "plot":
+        from .train.plot import plot_run
+
+        try:
+            for path in plot_run(args.run_dir):
+                print(f"wrote {path}")
+        except ValueError as exc:
+            raise SystemExit(f"grpo-kernels plot: error: {exc}") from None
 
 
 if __name__ == "__main__":

@@ -39,3 +39,22 @@ def test_bad_config_is_one_error_line_and_nothing_written(tmp_path, args, messag
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("grpo-kernels train: error:") and message in lines[0], lines
     assert not run.exists()
+
+
+def test_plot_writes_the_pngs_and_refuses_a_non_run(tmp_path):
+    rows = [{"step": i, "reward": i / 10, "invalid_group_rate": 0.1, "train_tokens_per_s": 1000.0} for i in range(10)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "summary.json").write_text(json.dumps({"group_size": 8}))
+    main(["plot", str(tmp_path)])
+    assert all((tmp_path / name).stat().st_size > 0 for name in ("reward.png", "invalid_groups.png", "throughput.png"))
+    with pytest.raises(SystemExit, match="no metrics.jsonl"):
+        main(["plot", str(tmp_path / "nothing")])
+
+
+def test_the_demo_config_loads():
+    from pathlib import Path
+
+    from grpo_kernels.train.config import load_config
+
+    config = load_config(Path(__file__).resolve().parents[1] / "examples" / "train_tiny_cpu.toml")
+    assert config.task.name == "add" and config.optim.steps == 800

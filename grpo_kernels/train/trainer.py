@@ -115,7 +115,7 @@ def train(config: TrainConfig, *, log=print) -> dict:
                     f"  loss {metrics['loss']:+.4f}  {metrics['train_tokens_per_s']:.0f} tok/s")  # fmt: skip
     final_eval = evaluate(sampler, tok, task, eval_set, seed=config.seed + 7)
     summary = {"eval_success_start": start_eval, "eval_success_end": final_eval, "steps": o.steps,
-               "seconds": time.perf_counter() - started}  # fmt: skip
+               "group_size": s.group_size, "seconds": time.perf_counter() - started}  # fmt: skip
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     log(f"held-out success after {o.steps} steps: {final_eval:.3f} (was {start_eval:.3f})")
     return summary

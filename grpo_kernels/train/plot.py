@@ -1,0 +1,66 @@
+"""`grpo-kernels plot RUN_DIR`: PNGs of a run from its metrics.jsonl (reward, invalid groups vs theory, speed)."""
+
+import json
+from pathlib import Path
+
+from ..theory import invalid_group_rate
+
+__all__ = ["plot_run"]
+
+
+def _smooth(values, k=10):
+    out, acc = [], []
+    for v in values:
+        acc.append(v)
+        acc = acc[-k:]
+        out.append(sum(acc) / len(acc))
+    return out
+
+
+def plot_run(run_dir) -> list[Path]:
+    """Write reward.png, invalid_groups.png and throughput.png into run_dir; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run = Path(run_dir)
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        raise ValueError(f"{run} has no metrics.jsonl (not a training run directory)")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise ValueError(f"{path} is empty")
+    steps = [r["step"] for r in rows]
+    group_size = (
+        json.loads((run / "summary.json").read_text()).get("group_size") if (run / "summary.json").exists() else None
+    )
+    written = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(run / name, dpi=110)
+        plt.close(fig)
+        written.append(run / name)
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [r["reward"] for r in rows], alpha=0.3, label="batch reward")
+    ax.plot(steps, _smooth([r["reward"] for r in rows]), label="moving mean (10 steps)")
+    ax.set(xlabel="step", ylabel="reward (pass rate)", ylim=(0, 1.02), title="reward")
+    ax.legend()
+    save(fig, "reward.png")
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, _smooth([r["invalid_group_rate"] for r in rows]), label="measured (moving mean)")
+    if group_size:
+        theory = [invalid_group_rate(group_size, min(max(r["reward"], 0.0), 1.0)) for r in rows]
+        ax.plot(steps, _smooth(theory), "--", label=f"p^G + (1-p)^G at the batch pass rate, G={group_size}")
+    ax.set(xlabel="step", ylabel="invalid-group rate", ylim=(0, 1.02), title="groups with no gradient signal")
+    ax.legend(fontsize=8)
+    save(fig, "invalid_groups.png")
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [r["train_tokens_per_s"] for r in rows])
+    ax.set(xlabel="step", ylabel="train tokens/s", title="training throughput (packed forward + backward)")
+    save(fig, "throughput.png")
+    return written

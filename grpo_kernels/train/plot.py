@@ -1,4 +1,4 @@
-"""`grpo-kernels plot RUN_DIR`: PNGs of a run from its metrics.jsonl (reward, invalid groups vs theory, speed)."""
+"""`grpo-kernels plot RUN_DIR`: PNGs of a run from its metrics.jsonl (reward, invalid groups vs theory, G, speed)."""
 
 import json
 from pathlib import Path
@@ -18,7 +18,7 @@ def _smooth(values, k=10):
 
 
 def plot_run(run_dir) -> list[Path]:
-    """Write reward.png, invalid_groups.png and throughput.png into run_dir; returns their paths."""
+    """Write reward.png, invalid_groups.png, group_size.png (when logged) and throughput.png; returns the paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,6 +58,12 @@ def plot_run(run_dir) -> list[Path]:
     ax.set(xlabel="step", ylabel="invalid-group rate", ylim=(0, 1.02), title="groups with no gradient signal")
     ax.legend(fontsize=8)
     save(fig, "invalid_groups.png")
+
+    if "group_size" in rows[0]:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.step(steps, [r["group_size"] for r in rows], where="post")
+        ax.set(xlabel="step", ylabel="G", title="group size")
+        save(fig, "group_size.png")
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, [r["train_tokens_per_s"] for r in rows])

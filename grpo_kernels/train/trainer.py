@@ -3,8 +3,12 @@
 
     grpo-kernels train [--config FILE] [--section.field=value ...]
 
-Not yet here (issue 6 continues): FSDP2 across processes, DCP checkpoints and --resume, the vLLM sampler,
-adaptive group size and dynamic sampling, real models from a local HF path, plots.
+Group size control: `group_size.adaptive` raises G (grpo_kernels.train.group_size) when the invalid-group rate of
+the last steps exceeds the threshold; `group_size.dynamic_sampling` drops invalid groups and samples more prompts
+(at most `max_resample_rounds` more rounds) to fill the batch.
+
+Not yet here (issue 6 continues): FSDP2 across processes, DCP checkpoints and --resume, the vLLM sampler, real
+models from a local HF path.
 """
 
 import json
@@ -16,7 +20,8 @@ from pathlib import Path
 import torch
 
 from .config import TrainConfig, save_config
-from .sampler import HFSampler
+from .group_size import AdaptiveGroupSize
+from .sampler import HFSampler, Rollout
 from .step import grpo_step, sft_warmup
 from .tasks import CharTokenizer, make_task, tiny_model
 
@@ -28,8 +33,6 @@ def _unsupported(config: TrainConfig) -> None:
     todo = {
         "model.name": config.model.name != "tiny",
         "sampling.sampler": config.sampling.sampler != "hf",
-        "group_size.adaptive": config.group_size.adaptive,
-        "group_size.dynamic_sampling": config.group_size.dynamic_sampling,
         "checkpoint.every": config.checkpoint.every != 0,
         "checkpoint.resume": config.checkpoint.resume is not None,
         "logging.tensorboard": config.logging.tensorboard,
@@ -46,6 +49,23 @@ def evaluate(sampler, tokenizer, task, examples, *, seed: int) -> float:
     rollout = sampler.sample([tokenizer.encode(e.prompt, bos=True) for e in examples], 1, seed=seed)
     rewards = [task.reward(tokenizer.decode(c), e) for c, e in zip(rollout.completion_ids, examples, strict=True)]
     return sum(rewards) / len(rewards)
+
+
+def _groups_of(rollout, rewards, keep):
+    """The rollout and rewards restricted to the groups whose index is in keep."""
+    g = rollout.group_size
+    idx = [i for k in keep for i in range(k * g, (k + 1) * g)]
+    pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+    return Rollout(prompt_ids=pick(rollout.prompt_ids), completion_ids=pick(rollout.completion_ids),
+                   sampler_logps=pick(rollout.sampler_logps), group_size=g), pick(rewards)  # fmt: skip
+
+
+def _concat(parts):
+    rollouts = [r for r, _ in parts]
+    cat = lambda name: [x for r in rollouts for x in getattr(r, name)]  # noqa: E731
+    rollout = Rollout(prompt_ids=cat("prompt_ids"), completion_ids=cat("completion_ids"),
+                      sampler_logps=cat("sampler_logps"), group_size=rollouts[0].group_size)  # fmt: skip
+    return rollout, [x for _, rewards in parts for x in rewards]
 
 
 def _schedule(config: TrainConfig):
@@ -90,24 +110,55 @@ def train(config: TrainConfig, *, log=print) -> dict:
     log(f"held-out success before RL: {start_eval:.3f}")
     order = list(range(len(train_set)))
     rng = random.Random(config.seed)
+    cursor = 0
+    gs = config.group_size
+    adaptive = AdaptiveGroupSize(s.group_size, maximum=gs.max_group_size, threshold=gs.invalid_rate_threshold,
+                                 window=gs.window) if gs.adaptive else None  # fmt: skip
     started = time.perf_counter()
+
+    def next_prompts(n):  # the training prompts in a reshuffled order every epoch
+        nonlocal cursor
+        out = []
+        for _ in range(n):
+            if cursor % len(order) == 0:
+                rng.shuffle(order)
+            out.append(train_set[order[cursor % len(order)]])
+            cursor += 1
+        return out
+
     with (run_dir / "metrics.jsonl").open("w") as out:
         for step in range(o.steps):
-            first = (step * s.prompts_per_step) % len(order)
-            if first < s.prompts_per_step:
-                rng.shuffle(order)
-            batch = [train_set[order[(first + k) % len(order)]] for k in range(s.prompts_per_step)]
-            rollout = sampler.sample([tok.encode(e.prompt, bos=True) for e in batch], s.group_size,
-                                     seed=config.seed * 1_000_003 + step)  # fmt: skip
-            rewards = [
-                task.reward(tok.decode(c), batch[i // s.group_size]) for i, c in enumerate(rollout.completion_ids)
-            ]
+            g = adaptive.group_size if adaptive else s.group_size
+            parts, sampled, rounds = [], 0, 0
+            while True:
+                batch = next_prompts(s.prompts_per_step - sum(len(r.completion_ids) // g for r, _ in parts))
+                rollout = sampler.sample([tok.encode(e.prompt, bos=True) for e in batch], g,
+                                         seed=config.seed * 1_000_003 + step + rounds * 1_000_000_007)  # fmt: skip
+                rewards = [task.reward(tok.decode(c), batch[i // g]) for i, c in enumerate(rollout.completion_ids)]
+                sampled += len(batch)
+                if gs.dynamic_sampling:  # keep the groups with a gradient signal
+                    keep = [k for k in range(len(batch)) if len(set(rewards[k * g : (k + 1) * g])) > 1]
+                    rollout, rewards = _groups_of(rollout, rewards, keep)
+                if rewards:
+                    parts.append((rollout, rewards))
+                full = sum(len(r.completion_ids) // g for r, _ in parts) >= s.prompts_per_step
+                if not gs.dynamic_sampling or full or rounds >= gs.max_resample_rounds:
+                    break
+                rounds += 1
+            if not parts:
+                log(f"step {step:4d}  every sampled group was invalid: no update")
+                continue
+            rollout, rewards = _concat(parts)
             metrics = grpo_step(model, optimizer, rollout, rewards, loss_options=config.loss.kwargs(),
                                 temperature=s.temperature, token_budget=config.packing.token_budget,
                                 shared_prefix=config.packing.shared_prefix, num_iterations=o.num_iterations,
                                 grad_clip=o.grad_clip)  # fmt: skip
             scheduler.step()
-            metrics.update(step=step, lr=scheduler.get_last_lr()[0], elapsed_s=time.perf_counter() - started)
+            pass_rates = [sum(rewards[k * g : (k + 1) * g]) / g for k in range(len(rewards) // g)]
+            if adaptive:
+                adaptive.update(metrics["invalid_group_rate"], pass_rates)
+            metrics.update(step=step, lr=scheduler.get_last_lr()[0], elapsed_s=time.perf_counter() - started,
+                           group_size=g, prompts_sampled=sampled, resample_rounds=rounds)  # fmt: skip
             out.write(json.dumps(metrics) + "\n")
             out.flush()
             if step % config.logging.log_every == 0 or step == o.steps - 1:

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # importable from 
 import torch
 
 import grpo_kernels
-from benchmarks.common import RESULTS, append_csv, compile_checked, median_ms, plot_panels, print_environment, run_meta
+from benchmarks.common import RESULTS, append_csv, compile_checked, median_ms, plot_bars, print_environment, run_meta
 
 COLUMNS = ["timestamp", "device", "torch", "triton", "git_sha", "mode", "T", "V", "dtype", "provider", "median_ms",
            "gbps", "peak_mb", "speedup_vs_baseline"]  # fmt: skip
@@ -182,25 +182,10 @@ def run_point(label, t, v, dtype, mode, device, temperature, min_time, skip_note
 
 
 def plot(rows, path: Path) -> None:
-    """Median ms per shape (log y), one bar per provider, one subplot per mode and dtype."""
-    panels = {}
-    for r in rows:
-        panels.setdefault(f"{r['mode']}, {r['dtype']}", []).append(r)
-
-    def draw(ax, panel_rows):
-        shapes = list(dict.fromkeys((r["T"], r["V"]) for r in panel_rows))
-        names = list(dict.fromkeys(r["provider"] for r in panel_rows))
-        width = 0.8 / len(names)
-        for k, name in enumerate(names):
-            ms = {(r["T"], r["V"]): r["median_ms"] for r in panel_rows if r["provider"] == name}
-            xs = [i + (k - (len(names) - 1) / 2) * width for i, s in enumerate(shapes) if s in ms]
-            ax.bar(xs, [ms[s] for s in shapes if s in ms], width, label=name)
-        ax.set_xticks(range(len(shapes)), [f"{t}x{v}" for t, v in shapes], fontsize=7)
-        ax.set_yscale("log")
-        ax.set(xlabel="T x V", ylabel="median ms")
-        ax.legend(fontsize=7)
-
-    plot_panels(panels, path, draw)
+    """Median ms per shape (log y), one bar per provider, one subplot per panel."""
+    plot_bars(
+        rows, path, panel=lambda r: f"{r['mode']}, {r['dtype']}", shape=lambda r: f"{r['T']}x{r['V']}", xlabel="T x V"
+    )
 
 
 def main() -> None:

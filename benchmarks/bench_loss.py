@@ -45,7 +45,7 @@ from benchmarks.common import (
     append_csv,
     compile_checked,
     median_ms,
-    plot_panels,
+    plot_bars,
     print_environment,
     run_meta,
     status_kb,
@@ -216,24 +216,14 @@ def run_point(op, config, t, v, mode, device, min_time, memory) -> dict:
 
 
 def plot(rows, path: Path) -> None:
-    panels = {}
-    for r in rows:
-        panels.setdefault(f"{r['op']} {r['config']} {r['mode']}", []).append(r)
-
-    def draw(ax, panel_rows):
-        shapes = list(dict.fromkeys((r["T"], r["V"]) for r in panel_rows))
-        names = list(dict.fromkeys(r["provider"] for r in panel_rows))
-        width = 0.8 / len(names)
-        for k, name in enumerate(names):
-            ms = {(r["T"], r["V"]): r["median_ms"] for r in panel_rows if r["provider"] == name}
-            xs = [i + (k - (len(names) - 1) / 2) * width for i, s in enumerate(shapes) if s in ms]
-            ax.bar(xs, [ms[s] for s in shapes if s in ms], width, label=name)
-        ax.set_xticks(range(len(shapes)), [f"{t}" + (f"x{v}" if v else "") for t, v in shapes], fontsize=7)
-        ax.set_yscale("log")
-        ax.set(xlabel="T (x V)", ylabel="median ms")
-        ax.legend(fontsize=7)
-
-    plot_panels(panels, path, draw)
+    """Median ms per shape (log y), one bar per provider, one subplot per panel."""
+    plot_bars(
+        rows,
+        path,
+        panel=lambda r: f"{r['op']} {r['config']} {r['mode']}",
+        shape=lambda r: f"{r['T']}" + (f"x{r['V']}" if r["V"] else ""),
+        xlabel="T (x V)",
+    )
 
 
 def main() -> None:

@@ -124,3 +124,25 @@ def plot_panels(panels: dict, path: Path, draw: Callable, max_cols: int = 4) -> 
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
+
+
+def plot_bars(rows: list, path: Path, *, panel: Callable, shape: Callable, xlabel: str) -> None:
+    """Median ms (log y) as grouped bars: one subplot per panel(row), one group per shape(row), a bar per provider."""
+    panels = {}
+    for r in rows:
+        panels.setdefault(panel(r), []).append(r)
+
+    def draw(ax, panel_rows):
+        shapes = list(dict.fromkeys(shape(r) for r in panel_rows))
+        names = list(dict.fromkeys(r["provider"] for r in panel_rows))
+        width = 0.8 / len(names)
+        for k, name in enumerate(names):
+            ms = {shape(r): r["median_ms"] for r in panel_rows if r["provider"] == name}
+            xs = [i + (k - (len(names) - 1) / 2) * width for i, s in enumerate(shapes) if s in ms]
+            ax.bar(xs, [ms[s] for s in shapes if s in ms], width, label=name)
+        ax.set_xticks(range(len(shapes)), shapes, fontsize=7)
+        ax.set_yscale("log")
+        ax.set(xlabel=xlabel, ylabel="median ms")
+        ax.legend(fontsize=7)
+
+    plot_panels(panels, path, draw)

@@ -1,5 +1,7 @@
 """Argument checks shared by the public functions (each raises ValueError naming the argument)."""
 
+import math
+
 import torch
 
 IMPLS = ("auto", "triton", "cpp", "reference")
@@ -41,3 +43,27 @@ def check_cu_seqlens(cu_seqlens, total: int, device: torch.device, *, max_seqlen
     if max_seqlen is not None and max_seqlen < longest:
         raise ValueError(f"max_seqlen={max_seqlen} is shorter than the longest sequence ({longest})")
     return longest if max_seqlen is None else max_seqlen
+
+
+def check_temperature(temperature) -> None:
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not (math.isfinite(temperature) and temperature > 0)
+    ):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+
+
+def check_ids(ids, shape, device: torch.device, vocab: int, source: str) -> None:
+    """ids: int32/int64 token ids of the given shape on device, in [0, vocab) (range checked outside compile).
+    `source` names what the shape comes from in the message, e.g. "logits without V"."""
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError("ids must be an int32 or int64 tensor")
+    if tuple(ids.shape) != tuple(shape):
+        raise ValueError(f"ids must have shape {tuple(shape)} ({source}), got {tuple(ids.shape)}")
+    if ids.device != device:
+        raise ValueError(f"ids are on {ids.device} but the {source.split()[0]} are on {device}")
+    if ids.numel() and not torch.compiler.is_compiling():
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"ids must lie in [0, V={vocab}), found {lo if lo < 0 else hi}")

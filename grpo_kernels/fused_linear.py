@@ -21,7 +21,7 @@ from functools import partial
 import torch
 
 from . import _C, reference
-from ._checks import check_impl
+from ._checks import check_ids, check_impl, check_temperature
 from .loss import _check_tensor, _finish, _flat, _layout, _options, grpo_loss
 from .ops import logprobs as _lp_ops
 from .ops import loss as _loss_ops
@@ -56,22 +56,8 @@ def _check_linear(hidden, weight, bias, ids, temperature, impl):
         raise ValueError(f"bias must be a tensor [V={weight.shape[0]}]")
     if bias is not None and (bias.dtype != hidden.dtype or bias.device != hidden.device):
         raise ValueError("bias must have the dtype and device of hidden")
-    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError("ids must be an int32 or int64 tensor")
-    if tuple(ids.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"ids must have shape {tuple(hidden.shape[:-1])} (hidden without H), got {tuple(ids.shape)}")
-    if ids.device != hidden.device:
-        raise ValueError(f"ids are on {ids.device} but hidden is on {hidden.device}")
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, (int, float))
-        or not (math.isfinite(temperature) and temperature > 0)
-    ):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    if ids.numel() and not torch.compiler.is_compiling():
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= weight.shape[0]:
-            raise ValueError(f"ids must lie in [0, V={weight.shape[0]}), found {lo if lo < 0 else hi}")
+    check_ids(ids, hidden.shape[:-1], hidden.device, weight.shape[0], "hidden without H")
+    check_temperature(temperature)
 
 
 class _Rows:

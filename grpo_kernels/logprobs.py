@@ -1,11 +1,9 @@
 """Public API: per-token log-probs of the sampled ids (log-softmax + gather) and entropy, without [T, V] buffers."""
 
-import math
-
 import torch
 
 from . import reference
-from ._checks import check_cu_seqlens, check_impl
+from ._checks import check_cu_seqlens, check_ids, check_impl, check_temperature
 from .ops import logprobs as _ops
 
 __all__ = ["selective_logprobs"]
@@ -19,18 +17,8 @@ def _check(logits, ids, temperature, cu_seqlens, impl, flags):
         raise ValueError(f"logits must be a float16/bfloat16/float32 tensor, got {got}")
     if logits.dim() not in (2, 3) or logits.shape[-1] == 0:
         raise ValueError(f"logits must be [B, L, V] or packed [T, V] with V >= 1, got {tuple(logits.shape)}")
-    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError("ids must be an int32 or int64 tensor")
-    if tuple(ids.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"ids must have shape {tuple(logits.shape[:-1])} (logits without V), got {tuple(ids.shape)}")
-    if ids.device != logits.device:
-        raise ValueError(f"ids are on {ids.device} but logits are on {logits.device}")
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, (int, float))
-        or not (math.isfinite(temperature) and temperature > 0)
-    ):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    check_ids(ids, logits.shape[:-1], logits.device, logits.shape[-1], "logits without V")
+    check_temperature(temperature)
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be a bool, got {value!r}")
@@ -39,11 +27,6 @@ def _check(logits, ids, temperature, cu_seqlens, impl, flags):
         if logits.dim() != 2:
             raise ValueError("cu_seqlens goes with packed logits [T, V]")
         check_cu_seqlens(cu_seqlens, logits.shape[0], logits.device)
-    if ids.numel() and not torch.compiler.is_compiling():
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= logits.shape[-1]:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"ids must lie in [0, V={logits.shape[-1]}), found {bad}")
 
 
 def selective_logprobs(

@@ -1,5 +1,5 @@
 """Command line: `grpo-kernels demo` (also `python -m grpo_kernels.cli demo`, what `make demo` runs) and
-`grpo-kernels train [--config FILE] [--section.field=value ...]` (grpo_kernels.train.trainer).
+`grpo-kernels train [--config FILE | --resume RUN_DIR] [--section.field=value ...]` (grpo_kernels.train.trainer).
 
 The demo scores a simulated GRPO batch (prompts of varying difficulty, G completions each, a correctness
 reward and a format reward), computes the advantages with the compiled kernel, checks them against the
@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--seed", type=int, default=0)
     t = sub.add_parser("train", help="GRPO training (grpo_kernels.train); extra --section.field=value override")
     t.add_argument("--config", help="a TOML file (see grpo_kernels/train/config.py)")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint (its config.toml)")
     pl = sub.add_parser("plot", help="PNGs of a training run (reward, invalid groups vs theory, throughput)")
     pl.add_argument("run_dir")
     args, overrides = parser.parse_known_args(argv)
@@ -80,7 +81,13 @@ def main(argv: list[str] | None = None) -> None:
         from .train.trainer import train
 
         try:
-            train(load_config(args.config, overrides))
+            if args.resume:
+                if args.config:
+                    raise ValueError("--resume takes the run's own config.toml; do not also give --config")
+                config = load_config(f"{args.resume}/config.toml", [*overrides, f"--checkpoint.resume={args.resume}"])
+            else:
+                config = load_config(args.config, overrides)
+            train(config)
         except (ValueError, NotImplementedError) as exc:  # one clear line, non-zero exit
             raise SystemExit(f"grpo-kernels train: error: {exc}") from None
     elif args.command == "plot":

@@ -28,11 +28,18 @@ def test_a_few_training_steps_write_metrics_and_summary(tmp_path):
         (["--sampling.group_size=1"], "sampling.group_size"),
         (["--loss.loss_type=ppo"], "loss.loss_type"),
         (["--optim.lr=-1"], "optim.lr"),
-        (["--sampling.sampler=vllm"], "not implemented in the trainer yet: sampling.sampler"),
+        (["--packing.token_budget=8"], "packing.token_budget (8) is smaller than the longest prompt"),
+        (["--model.name=/no/such/model"], "/no/such/model"),
+        (["--task.name=jsonl", "--task.path=BAD_JSONL"], "missing"),
+        (["--task.name=jsonl", "--task.path=/no/such.jsonl"], "cannot read /no/such.jsonl"),
+        (["--task.reward=numeric"], "task.reward"),
     ],
 )
-def test_bad_config_is_one_error_line_and_nothing_written(tmp_path, args, message):
+def test_bad_config_or_data_is_one_error_line_and_nothing_written(tmp_path, args, message):
     run = tmp_path / "run"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
+    args = [a.replace("BAD_JSONL", str(bad)) for a in args]
     proc = subprocess.run([sys.executable, "-m", "grpo_kernels.cli", "train", f"--logging.run_dir={run}", *args],
                           capture_output=True, text=True)  # fmt: skip
     assert proc.returncode != 0
@@ -58,3 +65,39 @@ def test_the_demo_config_loads():
 
     config = load_config(Path(__file__).resolve().parents[1] / "examples" / "train_tiny_cpu.toml")
     assert config.task.name == "add" and config.optim.steps == 800
+
+
+def _short_run(run, *extra):
+    main(["train", f"--logging.run_dir={run}", "--optim.steps=2", "--sampling.group_size=4",
+          "--sampling.prompts_per_step=4", "--sampling.max_new_tokens=4", "--task.sft_warmup_steps=60",
+          "--task.num_eval_prompts=4", "--packing.token_budget=64", "--optim.lr=1e-2", *extra])  # fmt: skip
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_local_hf_model_directory_trains_on_jsonl_data(tmp_path):
+    from grpo_kernels.train.hf_model import write_tiny_checkpoint
+
+    model = write_tiny_checkpoint(tmp_path / "model")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                            for a in range(10) for b in range(10)))  # fmt: skip
+    rows = _short_run(tmp_path / "run", f"--model.name={model}", "--task.name=jsonl", f"--task.path={data}",
+                      "--task.reward=numeric", "--task.num_train_prompts=50")  # fmt: skip
+    assert [r["step"] for r in rows] == [0, 1] and all(r["loss"] == r["loss"] for r in rows)
+
+
+def test_beta_trains_against_a_frozen_reference(tmp_path):
+    rows = _short_run(tmp_path / "run", "--task.name=add", "--loss.beta=0.5", "--optim.steps=3")
+    assert abs(rows[0]["kl"]) < 1e-6  # the policy is the reference before the first update
+    assert rows[2]["kl"] > 1e-6  # and moves away from it, which the KL term sees
+
+
+def test_bfloat16_compute_keeps_fp32_master_weights(tmp_path):
+    rows = _short_run(tmp_path / "run", "--task.name=add", "--model.dtype=bfloat16", "--checkpoint.every=2")
+    assert all(r["loss"] == r["loss"] and r["grad_norm"] > 0 for r in rows)
+    assert 'dtype = "bfloat16"' in (tmp_path / "run" / "config.toml").read_text()
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(tmp_path / "run" / "checkpoints" / "step_2")).read_metadata()
+    dtypes = {str(v.properties.dtype) for k, v in meta.state_dict_metadata.items() if k.startswith("model.")}
+    assert dtypes == {"torch.float32"}

@@ -20,7 +20,7 @@ def setup():
     assert losses[-1] < losses[0]
     sampler = HFSampler(model, eos_id=tok.eos_id, pad_id=tok.pad_id, max_new_tokens=5)
     prompts = [tok.encode(e.prompt, bos=True) for e in task.examples(6, seed=1)]
-    return tok, model, sampler, sampler.sample(prompts, 4, seed=5)
+    return tok, model, sampler, sampler.sample(prompts, 4, seeds=list(range(5, 11)))
 
 
 def test_rollout_shapes_and_reproducibility(setup):
@@ -29,7 +29,7 @@ def test_rollout_shapes_and_reproducibility(setup):
     for c, lp in zip(rollout.completion_ids, rollout.sampler_logps, strict=True):
         assert 1 <= c.numel() <= 5 and lp.shape == c.shape and bool((lp <= 0).all())
         assert tok.eos_id not in c[:-1].tolist()
-    again = sampler.sample([rollout.prompt_ids[0].tolist()], 4, seed=5)
+    again = sampler.sample([rollout.prompt_ids[0].tolist()], 4, seeds=[5])
     assert [c.tolist() for c in again.completion_ids] == [c.tolist() for c in rollout.completion_ids[:4]]
 
 

@@ -187,6 +187,9 @@ class TaskConfig:
     """Difficulty of a built-in task, 1..10 (ignored by "jsonl")."""
     path: str | None = None
     """JSONL file of {"prompt": ..., "answer": ...} lines; required for "jsonl", not allowed otherwise."""
+    reward: str = "exact"
+    """Reward of a "jsonl" task: "exact" (stripped string match), "numeric" (the last number in the completion)
+    or "math_verify" (needs the math_verify package); the built-in tasks bring their own."""
     num_train_prompts: int = 512
     """Training prompts (a built-in task generates them; "jsonl" takes at most this many)."""
     num_eval_prompts: int = 64
@@ -199,13 +202,14 @@ class TaskConfig:
     def __post_init__(self):
         _validate(
             self, at_least={"num_train_prompts": 1, "num_eval_prompts": 0, "sft_warmup_steps": 0},
-            choices={"name": TASK_NAMES},
+            choices={"name": TASK_NAMES, "reward": ("exact", "numeric", "math_verify")},
         )  # fmt: skip
         _check(self, "difficulty", 1 <= self.difficulty <= 10, "in 1..10")
         if self.name == "jsonl":
             _check(self, "path", self.path not in (None, ""), 'a JSONL file path when task.name is "jsonl"')
         else:
             _check(self, "path", self.path is None, f"none for the built-in task {self.name!r}")
+            _check(self, "reward", self.reward == "exact", f'"exact" for the built-in task {self.name!r}')
 
 
 @dataclass(kw_only=True, slots=True)

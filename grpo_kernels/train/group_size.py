@@ -55,3 +55,14 @@ class AdaptiveGroupSize:
             self.rates.clear()
             self.pass_rates.clear()
         return self.group_size
+
+    def state_dict(self) -> dict:
+        """The controller's state (JSON-serializable), for checkpoints."""
+        return {"group_size": self.group_size, "rates": list(self.rates), "pass_rates": list(self.pass_rates)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.group_size = state["group_size"]
+        self.rates.clear()
+        self.rates.extend(state["rates"])
+        self.pass_rates.clear()
+        self.pass_rates.extend(state["pass_rates"])

@@ -1,8 +1,12 @@
 """Samplers: G completions per prompt, with the sampler's own per-token log-probs.
 
-`HFSampler` runs transformers' `generate` on the training model itself (SDPA attention while generating, the
-packed "grpo_varlen" attention restored afterwards). A group's G copies of one prompt have equal lengths, so
-no padding mask is needed; groups are generated one after another.
+Every sampler draws group k with its own seed `seeds[k]`, so a prompt's completions do not depend on which other
+prompts share the call (or the rank): 1 and N data-parallel ranks sample the same rollout.
+
+`HFSampler` runs transformers' `generate` on a local model (SDPA attention while generating, the packed
+"grpo_varlen" attention restored afterwards): the training model itself in a single process, or a full copy
+that `load_weights` refreshes after every optimizer step when the training model is sharded. A group's G copies
+of one prompt have equal lengths, so no padding mask is needed; groups are generated one after another.
 """
 
 from dataclasses import dataclass
@@ -34,18 +38,20 @@ class HFSampler:
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
 
     @torch.no_grad()
-    def sample(self, prompts: list, group_size: int, *, seed: int) -> Rollout:
-        """G samples of every prompt (lists or 1-D tensors of token ids), reproducible for a seed."""
+    def sample(self, prompts: list, group_size: int, *, seeds: list) -> Rollout:
+        """G samples of every prompt (lists or 1-D tensors of token ids); group k reproducible for seeds[k]."""
+        if len(seeds) != len(prompts):
+            raise ValueError(f"one seed per prompt: {len(prompts)} prompts, {len(seeds)} seeds")
         model = self.model
         attn = model.config._attn_implementation
         training = model.training
         model.eval()
         model.set_attn_implementation("sdpa")
         generator_state = torch.random.get_rng_state()
-        torch.manual_seed(seed)
         out_prompts, out_completions, out_logps = [], [], []
         try:
-            for prompt in prompts:
+            for prompt, seed in zip(prompts, seeds, strict=True):
+                torch.manual_seed(seed)
                 ids = torch.as_tensor(prompt, dtype=torch.long)[None].repeat(group_size, 1)
                 out = model.generate(
                     ids, max_new_tokens=self.max_new_tokens, do_sample=True, temperature=self.temperature, top_k=0,
@@ -67,3 +73,8 @@ class HFSampler:
             model.train(training)
         return Rollout(prompt_ids=out_prompts, completion_ids=out_completions, sampler_logps=out_logps,
                        group_size=group_size)  # fmt: skip
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict) -> None:
+        """Copy new weights (full tensors, HF names) into the sampling model."""
+        self.model.load_state_dict(state_dict, strict=True)

@@ -1,11 +1,15 @@
-"""One GRPO optimizer step on a rollout, single process: rewards -> advantages -> packed micro-batches -> the fused
-LM-head loss -> gradient accumulation -> clip -> optimizer step (repeated num_iterations times on the same rollout).
+"""One GRPO optimizer step on a rollout: rewards -> advantages -> packed micro-batches -> the fused LM-head loss ->
+gradient accumulation -> clip -> optimizer step (repeated num_iterations times on the same rollout).
 
-The loss of the whole step equals grpo_loss on the whole batch: dapo/cispo divide by the step's completion tokens
-(num_items_in_batch), grpo/sapo weight each micro-batch by its share of the sequences, bnpo/dr_grpo average the
-micro-batches (TRL's gradient-accumulation convention).
+The loss of the whole step equals grpo_loss on the whole (global) batch: dapo/cispo divide by the step's
+completion tokens (num_items_in_batch), grpo/sapo weight each micro-batch by its share of the sequences,
+bnpo/dr_grpo average the micro-batches (TRL's gradient-accumulation convention). Under data parallelism every
+rank holds the whole rollout (grpo_kernels.train.fsdp), so these normalizers are global; each rank runs its own
+micro-batches of `plan_micro_batches(..., num_ranks=world)` and an all-zero stand-in where its plan is empty, so
+every rank makes the same number of forward/backward calls.
 """
 
+import contextlib
 import time
 
 import torch
@@ -14,27 +18,76 @@ from ..advantages import group_advantages
 from ..fused_linear import fused_linear_grpo_loss, fused_linear_logprobs
 from ..packing import pack_sequences
 from ..planner import plan_micro_batches
+from .fsdp import SINGLE, Dist, all_reduce_sum
 
-__all__ = ["completion_logprobs", "grpo_step"]
-
-
-def _hidden(model, packed):
-    out = model.base_model(**packed.model_kwargs())
-    return out.last_hidden_state[0][packed.logit_rows]
+__all__ = ["Policy", "completion_logprobs", "grpo_step", "sft_warmup"]
 
 
-def completion_logprobs(model, packed, *, temperature: float) -> torch.Tensor:
-    """Per-completion-token log-probs of a packed batch under model (no grad, no logits)."""
+class Policy(torch.nn.Module):
+    """A causal LM with the fused LM-head loss inside its forward, never building logits.
+
+    FSDP2 unshards a module's own parameters around its forward, so wrapping the loss in the root module is what
+    lets the fused kernels read the full LM-head weight (and send its gradient back to the shards).
+    compute_dtype: hidden states and head weight are cast to it before the loss (bf16 under autocast)."""
+
+    def __init__(self, model: torch.nn.Module, *, compute_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.model = model
+        self.compute_dtype = compute_dtype
+
+    def forward(self, inputs: dict, logit_rows: torch.Tensor, completion_ids: torch.Tensor,
+                advantages: torch.Tensor | None = None, *, temperature: float, **loss_options):  # fmt: skip
+        """Per-token log-probs of completion_ids (advantages None), else (loss, metrics) of the fused loss."""
+        h = self.model.base_model(**inputs).last_hidden_state[0][logit_rows]
+        head = self.model.get_output_embeddings().weight
+        dtype = self.compute_dtype or head.dtype
+        h, head = h.to(dtype), head.to(dtype)
+        if advantages is None:
+            return fused_linear_logprobs(h, head, completion_ids, temperature=temperature)
+        return fused_linear_grpo_loss(h, head, completion_ids, advantages, temperature=temperature, **loss_options)
+
+
+def _run(policy, packed, advantages=None, **options):
+    return policy(packed.model_kwargs(), packed.logit_rows, packed.completion_ids, advantages, **options)
+
+
+def completion_logprobs(policy, packed, *, temperature: float) -> torch.Tensor:
+    """Per-completion-token log-probs of a packed batch under a Policy (or a bare HF model); no grad, no logits."""
+    if not isinstance(policy, Policy):
+        policy = Policy(policy)
     with torch.no_grad():
-        h = _hidden(model, packed)
-        return fused_linear_logprobs(h, model.get_output_embeddings().weight, packed.completion_ids,
-                                     temperature=temperature)  # fmt: skip
+        return _run(policy, packed, temperature=temperature)
 
 
-def grpo_step(model, optimizer, rollout, rewards, *, loss_options: dict, temperature: float, token_budget: int,
+def _micro_batches(rollout, groups, lengths, *, token_budget, shared_prefix, algorithm, dist):
+    """[(sample indices, PackedBatch, sampler log-probs)] of this rank; a one-sample stand-in (empty indices)
+    where the plan gives this rank nothing."""
+    plan = plan_micro_batches(lengths, token_budget=token_budget, group_ids=groups, keep_groups=shared_prefix,
+                              num_ranks=dist.world, algorithm=algorithm)  # fmt: skip
+    micro = []
+    for samples in plan.micro_batches[dist.rank]:
+        picked = samples or [0]
+        packed = pack_sequences([rollout.prompt_ids[i] for i in picked], [rollout.completion_ids[i] for i in picked],
+                                shared_prefix=shared_prefix, group_ids=[groups[i] for i in picked])  # fmt: skip
+        sampler = torch.cat([rollout.sampler_logps[i] for i in picked]).float()
+        micro.append((list(samples), packed, sampler))
+    return micro
+
+
+def grpo_step(policy, optimizer, rollout, rewards, *, loss_options: dict, temperature: float, token_budget: int,
               shared_prefix: bool = False, num_iterations: int = 1, grad_clip: float | None = 1.0,
-              use_sampler_logps: bool = False) -> dict:  # fmt: skip
-    """Train on one rollout; returns float metrics (reward, invalid-group rate, loss, tokens/s, ...)."""
+              ref_policy=None, compute_old_logps: bool = False, algorithm: str = "karmarkar_karp",
+              dist: Dist = SINGLE, autocast_dtype: torch.dtype | None = None) -> dict:  # fmt: skip
+    """Train on one rollout (the whole batch, identical on every rank); returns float metrics (reward,
+    invalid-group rate, loss, tokens/s, ...), identical on every rank.
+
+    policy: a `Policy` (FSDP2-sharded or not) or a bare HF model. ref_policy: the frozen reference when
+    loss_options["beta"] > 0. compute_old_logps: also compute the policy's log-probs before the update when
+    num_iterations is 1 (for the sampler mismatch metric "sampler_logp_abs_diff"); they are computed anyway for
+    num_iterations > 1. loss_options["sampler_is_mode"] turns on the importance-sampling correction with the
+    rollout's sampler log-probs."""
+    if not isinstance(policy, Policy):
+        policy = Policy(policy)
     start = time.perf_counter()
     g = rollout.group_size
     rewards = torch.as_tensor(rewards, dtype=torch.float32)
@@ -42,51 +95,57 @@ def grpo_step(model, optimizer, rollout, rewards, *, loss_options: dict, tempera
     n = len(rollout.completion_ids)
     groups = [i // g for i in range(n)]
     lengths = [len(p) + len(c) for p, c in zip(rollout.prompt_ids, rollout.completion_ids, strict=True)]
-    plan = plan_micro_batches(lengths, token_budget=token_budget, group_ids=groups, keep_groups=shared_prefix)
-    micro = []
-    for samples in plan.micro_batches[0]:
-        if not samples:
-            continue
-        packed = pack_sequences([rollout.prompt_ids[i] for i in samples], [rollout.completion_ids[i] for i in samples],
-                                shared_prefix=shared_prefix, group_ids=[groups[i] for i in samples])  # fmt: skip
-        sampler = torch.cat([rollout.sampler_logps[i] for i in samples]).float()
-        micro.append((samples, packed, sampler))
-    total_tokens = sum(int(p.completion_ids.shape[0]) for _, p, _ in micro)
+    micro = _micro_batches(rollout, groups, lengths, token_budget=token_budget, shared_prefix=shared_prefix,
+                           algorithm=algorithm, dist=dist)  # fmt: skip
+    total_tokens = sum(len(c) for c in rollout.completion_ids)
     loss_type = loss_options.get("loss_type", "dapo")
-    old = [completion_logprobs(model, p, temperature=temperature) for _, p, _ in micro] if num_iterations > 1 else None
-    head = model.get_output_embeddings().weight
-    model.train()
-    metrics = {}
-    for iteration in range(num_iterations):
-        optimizer.zero_grad(set_to_none=True)
-        step_loss = 0.0
-        for k, (samples, packed, sampler) in enumerate(micro):
-            kwargs = dict(loss_options)
-            if loss_type in ("dapo", "cispo"):
-                kwargs["num_items_in_batch"] = total_tokens
-            if use_sampler_logps:
-                kwargs.update(sampler_logps=sampler, sampler_is_mode=kwargs.get("sampler_is_mode") or "token_truncate")
-            else:
-                kwargs.pop("sampler_is_mode", None)
-            loss, m = fused_linear_grpo_loss(
-                _hidden(model, packed), head, packed.completion_ids, adv.advantages[samples],
-                old_logps=None if old is None else old[k], cu_seqlens=packed.completion_cu_seqlens,
-                temperature=temperature, **kwargs,
-            )  # fmt: skip
-            weight = {"grpo": len(samples) / n, "sapo": len(samples) / n, "dapo": 1.0, "cispo": 1.0}.get(
-                loss_type, 1.0 / len(micro)
-            )
-            (loss * weight).backward()
-            step_loss += loss.detach().item() * weight
-            for key, value in m.items():
-                metrics[key] = metrics.get(key, 0.0) + float(value) * len(samples) / n / num_iterations
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
-        optimizer.step()
-        metrics["loss" if iteration == 0 else f"loss_iter{iteration}"] = step_loss
+    autocast = (torch.autocast(dist.device.type, dtype=autocast_dtype) if autocast_dtype is not None
+                else contextlib.nullcontext())  # fmt: skip
+    with autocast:
+        options = dict(loss_options)
+        old = ref = None
+        if num_iterations > 1 or compute_old_logps:
+            old = [completion_logprobs(policy, p, temperature=temperature) for _, p, _ in micro]
+        if options.get("beta", 0.0):
+            if ref_policy is None:
+                raise ValueError("loss.beta > 0 needs a reference policy")
+            ref = [completion_logprobs(ref_policy, p, temperature=temperature) for _, p, _ in micro]
+        if loss_type in ("dapo", "cispo"):
+            options["num_items_in_batch"] = total_tokens
+        is_mode = options.pop("sampler_is_mode", None)
+        policy.train()
+        local = {}
+        for iteration in range(num_iterations):
+            optimizer.zero_grad(set_to_none=True)
+            step_loss = 0.0
+            for k, (samples, packed, sampler) in enumerate(micro):
+                extra = dict(sampler_logps=sampler, sampler_is_mode=is_mode) if is_mode else {}
+                advantages = adv.advantages[samples] if samples else torch.zeros(1)
+                loss, m = _run(policy, packed, advantages, temperature=temperature,
+                               cu_seqlens=packed.completion_cu_seqlens, old_logps=None if old is None else old[k],
+                               ref_logps=None if ref is None else ref[k], **options, **extra)  # fmt: skip
+                share = len(samples) / n
+                weight = {"grpo": share, "sapo": share, "dapo": 1.0, "cispo": 1.0}.get(
+                    loss_type, 1.0 / (len(micro) * dist.world)
+                ) if samples else 0.0  # fmt: skip
+                (loss * (weight * dist.world)).backward()  # FSDP2 averages gradients over ranks
+                step_loss += loss.detach().item() * weight
+                for key, value in m.items():
+                    local[key] = local.get(key, 0.0) + float(value) * share / num_iterations
+            norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip or float("inf"))
+            optimizer.step()
+            local["loss" if iteration == 0 else f"loss_iter{iteration}"] = step_loss
+    if old is not None:
+        diff = sum(float((o - s).abs().sum()) for (samples, _, s), o in zip(micro, old, strict=True) if samples)
+        local["sampler_logp_abs_diff"] = diff / total_tokens
+    keys = sorted(local)
+    metrics = dict(zip(keys, all_reduce_sum([local[k] for k in keys], dist), strict=True))
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     elapsed = time.perf_counter() - start
+    tokens = all_reduce_sum([sum(lengths[i] for s, _, _ in micro for i in s)], dist)[0]
     metrics.update(
         reward=float(rewards.mean()), invalid_group_rate=float(adv.invalid_fraction), grad_norm=float(norm),
-        completion_tokens=total_tokens, micro_batches=len(micro), train_tokens_per_s=sum(lengths) / elapsed,
+        completion_tokens=total_tokens, micro_batches=len(micro), train_tokens_per_s=tokens / elapsed,
         completion_length=total_tokens / n,
     )  # fmt: skip
     return metrics
@@ -94,7 +153,8 @@ def grpo_step(model, optimizer, rollout, rewards, *, loss_options: dict, tempera
 
 def sft_warmup(model, tokenizer, task, *, steps: int, batch_size: int = 32, lr: float = 3e-3, seed: int = 0) -> list:
     """A short supervised warm start (cross-entropy on prompt -> answer <eos>), so that RL starts from a policy
-    that is sometimes right, as real RL does. Returns the loss per step."""
+    that is sometimes right, as real RL does. Runs before sharding (deterministic, so every rank gets the same
+    weights). Returns the loss per step."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     losses = []
@@ -103,7 +163,7 @@ def sft_warmup(model, tokenizer, task, *, steps: int, batch_size: int = 32, lr: 
         prompts = [tokenizer.encode(e.prompt, bos=True) for e in examples]
         answers = [tokenizer.encode(e.answer, eos=True) for e in examples]
         packed = pack_sequences(prompts, answers)
-        h = _hidden(model, packed)
+        h = model.base_model(**packed.model_kwargs()).last_hidden_state[0][packed.logit_rows]
         logits = model.get_output_embeddings()(h).float()
         loss = torch.nn.functional.cross_entropy(logits, packed.completion_ids)
         optimizer.zero_grad(set_to_none=True)

@@ -1,28 +1,35 @@
-"""The GRPO training loop, single process for now: sample G completions per prompt -> rewards -> `grpo_step`
-(advantages, packed micro-batches, the fused LM-head loss) -> metrics to `<run_dir>/metrics.jsonl`.
+"""The GRPO training loop: sample G completions per prompt -> rewards -> `grpo_step` (advantages, packed
+micro-batches, the fused LM-head loss) -> push the new weights to the sampler -> metrics and checkpoints.
 
     grpo-kernels train [--config FILE] [--section.field=value ...]
+    torchrun --nproc_per_node=N -m grpo_kernels.cli train [...]      # FSDP2 data parallel (gloo on CPU)
+    grpo-kernels train --resume RUN_DIR                                # continue from its latest checkpoint
 
-Group size control: `group_size.adaptive` raises G (grpo_kernels.train.group_size) when the invalid-group rate of
-the last steps exceeds the threshold; `group_size.dynamic_sampling` drops invalid groups and samples more prompts
-(at most `max_resample_rounds` more rounds) to fill the batch.
+Data parallelism: see grpo_kernels.train.fsdp (every rank samples its share of the groups, then all ranks hold
+the whole rollout). Group size control: `group_size.adaptive` raises G (grpo_kernels.train.group_size) when the
+invalid-group rate of the last steps exceeds the threshold; `group_size.dynamic_sampling` drops invalid groups and
+samples more prompts (at most `max_resample_rounds` more rounds) to fill the batch.
 
-Not yet here (issue 6 continues): FSDP2 across processes, DCP checkpoints and --resume, the vLLM sampler, real
-models from a local HF path.
+Everything that can fail on the configuration or the data (task, model, token budget, TensorBoard) is checked
+before the run directory is written.
 """
 
+import copy
 import json
 import math
 import random
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, save_config
+from .fsdp import SINGLE, Dist, all_gather_objects, full_state_dict, init_distributed, shard
 from .group_size import AdaptiveGroupSize
 from .sampler import HFSampler, Rollout
-from .step import grpo_step, sft_warmup
+from .step import Policy, grpo_step, sft_warmup
 from .tasks import CharTokenizer, make_task, tiny_model
 
 __all__ = ["evaluate", "train"]
@@ -30,24 +37,40 @@ __all__ = ["evaluate", "train"]
 
 def _unsupported(config: TrainConfig) -> None:
     """Options the config accepts but this loop does not run yet: a clear error, never a silent ignore."""
-    todo = {
-        "model.name": config.model.name != "tiny",
-        "sampling.sampler": config.sampling.sampler != "hf",
-        "checkpoint.every": config.checkpoint.every != 0,
-        "checkpoint.resume": config.checkpoint.resume is not None,
-        "logging.tensorboard": config.logging.tensorboard,
-        "loss.beta": config.loss.beta != 0.0,
-        "model.dtype": config.model.dtype != "float32",
-    }
+    todo = {"sampling.sampler": config.sampling.sampler != "hf"}
     missing = [name for name, used in todo.items() if used]
     if missing:
         raise NotImplementedError(f"not implemented in the trainer yet: {', '.join(missing)}")
 
 
-def evaluate(sampler, tokenizer, task, examples, *, seed: int) -> float:
+def _seed(*parts: int) -> int:
+    """A sampling seed for (run seed, step, round, prompt index); distinct for distinct inputs in range."""
+    out = 0
+    for p in parts:
+        out = out * 1_000_003 + p
+    return out % 2**63
+
+
+def _sample(sampler, tok, task, examples, g: int, seeds: list, d: Dist):
+    """(Rollout, rewards) of G samples of every example, in the examples' order: rank r samples the examples
+    r, r + world, ... and every rank receives the whole result."""
+    mine = list(range(d.rank, len(examples), d.world))
+    r = sampler.sample([tok.encode(examples[k].prompt, bos=True) for k in mine], g, seeds=[seeds[k] for k in mine])
+    rewards = [task.reward(tok.decode(c), examples[mine[i // g]]) for i, c in enumerate(r.completion_ids)]
+    groups = {}
+    for ks, part, rew in all_gather_objects((mine, r, rewards), d):
+        for j, k in enumerate(ks):
+            s = slice(j * g, (j + 1) * g)
+            groups[k] = (part.prompt_ids[s], part.completion_ids[s], part.sampler_logps[s], rew[s])
+    cat = lambda i: [x for k in range(len(examples)) for x in groups[k][i]]  # noqa: E731
+    return Rollout(prompt_ids=cat(0), completion_ids=cat(1), sampler_logps=cat(2), group_size=g), cat(3)
+
+
+def evaluate(sampler, tok, task, examples, *, seed: int, d: Dist = SINGLE) -> float:
     """Success rate of one sampled answer per held-out prompt."""
-    rollout = sampler.sample([tokenizer.encode(e.prompt, bos=True) for e in examples], 1, seed=seed)
-    rewards = [task.reward(tokenizer.decode(c), e) for c, e in zip(rollout.completion_ids, examples, strict=True)]
+    if not examples:
+        return float("nan")
+    _, rewards = _sample(sampler, tok, task, examples, 1, [_seed(seed, k) for k in range(len(examples))], d)
     return sum(rewards) / len(rewards)
 
 
@@ -82,41 +105,113 @@ def _schedule(config: TrainConfig):
     return factor
 
 
+def _build(config: TrainConfig):
+    """Tokenizer, task, train/eval examples and the model; checks the data against the budget. Writes nothing."""
+    t, m = config.task, config.model
+    task = make_task(t.name, difficulty=t.difficulty, path=t.path, reward=t.reward)
+    if m.name == "tiny":
+        tok = CharTokenizer()
+        model = tiny_model(tok.vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
+                           num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                           attn_implementation=m.attn_implementation, seed=config.seed)  # fmt: skip
+    else:
+        from .hf_model import load_policy
+
+        model, tok = load_policy(m.name, dtype="float32", attn_implementation=m.attn_implementation)
+    train_set = task.examples(t.num_train_prompts, seed=t.seed)
+    eval_set = task.examples(t.num_eval_prompts, seed=t.seed + 1)
+    longest = max(len(tok.encode(e.prompt, bos=True)) for e in train_set + eval_set)
+    need = longest + config.sampling.max_new_tokens
+    if need > config.packing.token_budget:
+        raise ValueError(f"packing.token_budget ({config.packing.token_budget}) is smaller than the longest "
+                         f"prompt ({longest} tokens) plus sampling.max_new_tokens ({config.sampling.max_new_tokens})")
+    if config.logging.tensorboard:
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+        except ImportError as exc:
+            raise ValueError("logging.tensorboard needs the tensorboard package (pip install tensorboard)") from exc
+    return tok, task, train_set, eval_set, model
+
+
+def _decoder_blocks(model):
+    layers = getattr(model.base_model, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"cannot shard {type(model).__name__}: no decoder block list at model.base_model.layers")
+    return layers
+
+
 def train(config: TrainConfig, *, log=print) -> dict:
-    """Run config; returns the summary also written to <run_dir>/summary.json."""
+    """Run config (on every rank under torchrun); returns the summary also written to <run_dir>/summary.json."""
     _unsupported(config)
-    run_dir = Path(config.logging.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(config, run_dir / "config.toml")
+    d = init_distributed(config.distributed.backend)
+    resume = config.checkpoint.resume
+    run_dir = Path(resume or config.logging.run_dir)
+    checkpoint = latest_checkpoint(run_dir) if resume else None
+    if resume and checkpoint is None:
+        raise ValueError(f"checkpoint.resume: no checkpoint in {run_dir}/checkpoints")
     torch.manual_seed(config.seed)
-    tok = CharTokenizer()
-    task = make_task(config.task.name, difficulty=config.task.difficulty, path=config.task.path)
-    train_set = task.examples(config.task.num_train_prompts, seed=config.task.seed)
-    eval_set = task.examples(config.task.num_eval_prompts, seed=config.task.seed + 1)
-    m = config.model
-    model = tiny_model(tok.vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
-                       num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, attn_implementation=m.attn_implementation,
-                       seed=config.seed)  # fmt: skip
-    if config.task.sft_warmup_steps:
+    tok, task, train_set, eval_set, model = _build(config)
+    if not d.is_main:
+        log = lambda *a, **k: None  # noqa: E731
+    if config.task.sft_warmup_steps and checkpoint is None:
         losses = sft_warmup(model, tok, task, steps=config.task.sft_warmup_steps, seed=config.seed)
         log(f"SFT warm start: {config.task.sft_warmup_steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    bf16 = config.model.dtype == "bfloat16"
+    model.to(d.device)
     s = config.sampling
-    sampler = HFSampler(model, eos_id=tok.eos_id, pad_id=tok.pad_id, max_new_tokens=s.max_new_tokens,
-                        temperature=s.temperature, top_p=s.top_p)  # fmt: skip
+    # The sampler generates with the training model itself, or with a full copy when the model is sharded.
+    sampler = HFSampler(copy.deepcopy(model) if d.distributed else model, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                        max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p)  # fmt: skip
+    ref_policy = None
+    if config.loss.beta > 0:
+        ref_policy = Policy(copy.deepcopy(model).requires_grad_(False), compute_dtype=torch.bfloat16 if bf16 else None)
+    policy = Policy(model, compute_dtype=torch.bfloat16 if bf16 and not d.distributed else None)
+    if d.distributed:
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        for p in [policy] + ([ref_policy] if ref_policy else []):
+            shard(p, _decoder_blocks(p.model), device=d.device, world=d.world, dtype=dtype)
     o = config.optim
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config))
-    start_eval = evaluate(sampler, tok, task, eval_set, seed=config.seed + 7)
-    log(f"held-out success before RL: {start_eval:.3f}")
-    order = list(range(len(train_set)))
-    rng = random.Random(config.seed)
-    cursor = 0
     gs = config.group_size
     adaptive = AdaptiveGroupSize(s.group_size, maximum=gs.max_group_size, threshold=gs.invalid_rate_threshold,
                                  window=gs.window) if gs.adaptive else None  # fmt: skip
-    started = time.perf_counter()
+    order, rng, cursor, first, elapsed = list(range(len(train_set))), random.Random(config.seed), 0, 0, 0.0
 
-    def next_prompts(n):  # the training prompts in a reshuffled order every epoch
+    def sync_sampler():
+        if d.distributed:
+            sampler.load_weights(full_state_dict(policy.model))
+
+    if checkpoint is not None:
+        state = load_checkpoint(checkpoint, policy=policy, optimizer=optimizer, ref_policy=ref_policy)
+        sync_sampler()
+        first, cursor, order, elapsed = state["step"], state["cursor"], state["order"], state["elapsed_s"]
+        rng.setstate((state["rng"][0], tuple(state["rng"][1]), state["rng"][2]))
+        scheduler.load_state_dict(state["scheduler"])
+        if adaptive:
+            adaptive.load_state_dict(state["adaptive"])
+        start_eval = state["eval_success_start"]
+        log(f"resumed from {checkpoint} at step {first}")
+    else:
+        start_eval = evaluate(sampler, tok, task, eval_set, seed=config.seed + 7, d=d)
+        log(f"held-out success before RL: {start_eval:.3f}")
+    if d.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(config, run_dir / "config.toml")
+    metrics_path = run_dir / "metrics.jsonl"
+    kept = []
+    if checkpoint is not None and metrics_path.exists():  # drop the steps after the checkpoint
+        kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] < first]
+    writer = None
+    if config.logging.tensorboard and d.is_main:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(str(run_dir / "tensorboard"))
+    bar = _progress(o.steps, first, enabled=d.is_main)
+    say = bar.write if bar is not None else log
+    started = time.perf_counter() - elapsed
+
+    def next_prompts(n):  # the training prompts in a reshuffled order every epoch, identical on every rank
         nonlocal cursor
         out = []
         for _ in range(n):
@@ -126,47 +221,87 @@ def train(config: TrainConfig, *, log=print) -> dict:
             cursor += 1
         return out
 
-    with (run_dir / "metrics.jsonl").open("w") as out:
-        for step in range(o.steps):
-            g = adaptive.group_size if adaptive else s.group_size
-            parts, sampled, rounds = [], 0, 0
-            while True:
-                batch = next_prompts(s.prompts_per_step - sum(len(r.completion_ids) // g for r, _ in parts))
-                rollout = sampler.sample([tok.encode(e.prompt, bos=True) for e in batch], g,
-                                         seed=config.seed * 1_000_003 + step + rounds * 1_000_000_007)  # fmt: skip
-                rewards = [task.reward(tok.decode(c), batch[i // g]) for i, c in enumerate(rollout.completion_ids)]
-                sampled += len(batch)
-                if gs.dynamic_sampling:  # keep the groups with a gradient signal
-                    keep = [k for k in range(len(batch)) if len(set(rewards[k * g : (k + 1) * g])) > 1]
-                    rollout, rewards = _groups_of(rollout, rewards, keep)
-                if rewards:
-                    parts.append((rollout, rewards))
-                full = sum(len(r.completion_ids) // g for r, _ in parts) >= s.prompts_per_step
-                if not gs.dynamic_sampling or full or rounds >= gs.max_resample_rounds:
-                    break
-                rounds += 1
-            if not parts:
-                log(f"step {step:4d}  every sampled group was invalid: no update")
-                continue
+    out = metrics_path.open("w") if d.is_main else None
+    if out is not None:
+        out.writelines(line + "\n" for line in kept)
+    use_is = config.loss.sampler_is_mode is not None
+    for step in range(first, o.steps):
+        g = adaptive.group_size if adaptive else s.group_size
+        parts, sampled, rounds = [], 0, 0
+        while True:
+            batch = next_prompts(s.prompts_per_step - sum(len(r.completion_ids) // g for r, _ in parts))
+            seeds = [_seed(config.seed, step, rounds, k) for k in range(len(batch))]
+            rollout, rewards = _sample(sampler, tok, task, batch, g, seeds, d)
+            sampled += len(batch)
+            if gs.dynamic_sampling:  # keep the groups with a gradient signal
+                keep = [k for k in range(len(batch)) if len(set(rewards[k * g : (k + 1) * g])) > 1]
+                rollout, rewards = _groups_of(rollout, rewards, keep)
+            if rewards:
+                parts.append((rollout, rewards))
+            full = sum(len(r.completion_ids) // g for r, _ in parts) >= s.prompts_per_step
+            if not gs.dynamic_sampling or full or rounds >= gs.max_resample_rounds:
+                break
+            rounds += 1
+        if not parts:
+            say(f"step {step:4d}  every sampled group was invalid: no update")
+        else:
             rollout, rewards = _concat(parts)
-            metrics = grpo_step(model, optimizer, rollout, rewards, loss_options=config.loss.kwargs(),
+            metrics = grpo_step(policy, optimizer, rollout, rewards, loss_options=config.loss.kwargs(),
                                 temperature=s.temperature, token_budget=config.packing.token_budget,
                                 shared_prefix=config.packing.shared_prefix, num_iterations=o.num_iterations,
-                                grad_clip=o.grad_clip)  # fmt: skip
+                                grad_clip=o.grad_clip, ref_policy=ref_policy, compute_old_logps=use_is,
+                                algorithm=config.packing.algorithm, dist=d,
+                                autocast_dtype=torch.bfloat16 if bf16 and not d.distributed else None)  # fmt: skip
             scheduler.step()
+            sync_sampler()
             pass_rates = [sum(rewards[k * g : (k + 1) * g]) / g for k in range(len(rewards) // g)]
             if adaptive:
                 adaptive.update(metrics["invalid_group_rate"], pass_rates)
             metrics.update(step=step, lr=scheduler.get_last_lr()[0], elapsed_s=time.perf_counter() - started,
                            group_size=g, prompts_sampled=sampled, resample_rounds=rounds)  # fmt: skip
-            out.write(json.dumps(metrics) + "\n")
-            out.flush()
+            if out is not None:
+                out.write(json.dumps(metrics) + "\n")
+                out.flush()
+            if writer is not None:
+                for key, value in metrics.items():
+                    writer.add_scalar(key, value, step)
+            if bar is not None:
+                bar.set_postfix(reward=f"{metrics['reward']:.3f}", invalid=f"{metrics['invalid_group_rate']:.2f}",
+                                tok_s=f"{metrics['train_tokens_per_s']:.0f}")  # fmt: skip
             if step % config.logging.log_every == 0 or step == o.steps - 1:
-                log(f"step {step:4d}  reward {metrics['reward']:.3f}  invalid {metrics['invalid_group_rate']:.2f}"
+                say(f"step {step:4d}  reward {metrics['reward']:.3f}  invalid {metrics['invalid_group_rate']:.2f}"
                     f"  loss {metrics['loss']:+.4f}  {metrics['train_tokens_per_s']:.0f} tok/s")  # fmt: skip
-    final_eval = evaluate(sampler, tok, task, eval_set, seed=config.seed + 7)
+        if bar is not None:
+            bar.update(1)
+        every = config.checkpoint.every
+        if every and ((step + 1) % every == 0 or step + 1 == o.steps):
+            state = {"step": step + 1, "cursor": cursor, "order": order, "rng": rng.getstate(),
+                     "scheduler": scheduler.state_dict(), "adaptive": adaptive.state_dict() if adaptive else None,
+                     "eval_success_start": start_eval, "elapsed_s": time.perf_counter() - started}  # fmt: skip
+            save_checkpoint(run_dir, step + 1, policy=policy, optimizer=optimizer, ref_policy=ref_policy,
+                            trainer_state=state, d=d)  # fmt: skip
+    if out is not None:
+        out.close()
+    if bar is not None:
+        bar.close()
+    if writer is not None:
+        writer.close()
+    final_eval = evaluate(sampler, tok, task, eval_set, seed=config.seed + 7, d=d)
     summary = {"eval_success_start": start_eval, "eval_success_end": final_eval, "steps": o.steps,
-               "group_size": s.group_size, "seconds": time.perf_counter() - started}  # fmt: skip
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+               "group_size": s.group_size, "world_size": d.world, "seconds": time.perf_counter() - started}  # fmt: skip
+    if d.is_main:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     log(f"held-out success after {o.steps} steps: {final_eval:.3f} (was {start_eval:.3f})")
+    if d.distributed:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return summary
+
+
+def _progress(total: int, done: int, *, enabled: bool):
+    """A tqdm bar on an interactive terminal (rank 0); None otherwise (the log lines carry the metrics)."""
+    if not enabled or not sys.stderr.isatty():
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=done, desc="grpo", unit="step")

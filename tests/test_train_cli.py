@@ -58,6 +58,25 @@ def test_plot_writes_the_pngs_and_refuses_a_non_run(tmp_path):
         main(["plot", str(tmp_path / "nothing")])
 
 
+def test_the_h100_example_loads_and_its_launch_script_runs_that_config():
+    import importlib.util
+    from pathlib import Path
+
+    from grpo_kernels.train.config import load_config
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    config = load_config(examples / "train_qwen_gsm8k_h100.toml")
+    assert (config.sampling.sampler, config.model.dtype, config.distributed.backend) == ("vllm", "bfloat16", "nccl")
+    script = (examples / "launch_qwen_gsm8k_h100.sh").read_text()
+    assert "--config examples/train_qwen_gsm8k_h100.toml" in script
+    assert subprocess.run(["bash", "-n", str(examples / "launch_qwen_gsm8k_h100.sh")]).returncode == 0
+    spec = importlib.util.spec_from_file_location("prepare_gsm8k", examples / "prepare_gsm8k.py")
+    prepare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare)
+    row = prepare.to_row({"question": "Tom has 2 apples... ", "answer": "2 + 1,000 = <<2+1000=1002>>1002\n#### 1,002"})
+    assert row["answer"] == "1002" and row["prompt"].startswith("Tom has 2 apples...\n")
+
+
 def test_the_demo_config_loads():
     from pathlib import Path
 

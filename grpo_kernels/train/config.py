@@ -228,6 +228,9 @@ class SamplingConfig:
     """Sampling temperature (> 0); the trainer's log-probs use the same temperature."""
     top_p: float = 1.0
     """Nucleus sampling mass, 0 < top_p <= 1 (1 = off)."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """Share of the GPU's memory the vLLM sampler takes on each rank (weights + KV cache), in (0, 1); on CPU the
+    KV cache is VLLM_CPU_KVCACHE_SPACE GiB instead (1 unless set)."""
 
     def __post_init__(self):
         _validate(
@@ -237,6 +240,7 @@ class SamplingConfig:
         )
         _check(self, "temperature", self.temperature > 0, "> 0")
         _check(self, "top_p", 0 < self.top_p <= 1, "in (0, 1]")
+        _check(self, "vllm_gpu_memory_utilization", 0 < self.vllm_gpu_memory_utilization < 1, "in (0, 1)")
 
 
 _GIVEN = object()  # stands for a tensor the trainer will pass (sampler_logps, ref_logps) when checking options

@@ -19,6 +19,7 @@ import json
 import math
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,14 +34,6 @@ from .step import Policy, grpo_step, sft_warmup
 from .tasks import CharTokenizer, make_task, tiny_model
 
 __all__ = ["evaluate", "train"]
-
-
-def _unsupported(config: TrainConfig) -> None:
-    """Options the config accepts but this loop does not run yet: a clear error, never a silent ignore."""
-    todo = {"sampling.sampler": config.sampling.sampler != "hf"}
-    missing = [name for name, used in todo.items() if used]
-    if missing:
-        raise NotImplementedError(f"not implemented in the trainer yet: {', '.join(missing)}")
 
 
 def _seed(*parts: int) -> int:
@@ -133,6 +126,21 @@ def _build(config: TrainConfig):
     return tok, task, train_set, eval_set, model
 
 
+def _sampler(config: TrainConfig, model, tok, d: Dist):
+    """The HF sampler (the training model itself, or a full copy when the model will be sharded) or vLLM."""
+    s = config.sampling
+    if s.sampler == "hf":
+        return HFSampler(copy.deepcopy(model) if d.distributed else model, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                         max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p)  # fmt: skip
+    from .vllm_sampler import VLLMSampler, save_hf_model
+
+    with tempfile.TemporaryDirectory(prefix="grpo-sampler-") as directory:  # vLLM loads from a directory
+        save_hf_model(model, directory)
+        return VLLMSampler(directory, eos_id=tok.eos_id, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+                           top_p=s.top_p, gpu_memory_utilization=s.vllm_gpu_memory_utilization,
+                           dtype="bfloat16" if config.model.dtype == "bfloat16" else "float32")  # fmt: skip
+
+
 def _decoder_blocks(model):
     layers = getattr(model.base_model, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
@@ -142,7 +150,6 @@ def _decoder_blocks(model):
 
 def train(config: TrainConfig, *, log=print) -> dict:
     """Run config (on every rank under torchrun); returns the summary also written to <run_dir>/summary.json."""
-    _unsupported(config)
     d = init_distributed(config.distributed.backend)
     resume = config.checkpoint.resume
     run_dir = Path(resume or config.logging.run_dir)
@@ -159,9 +166,7 @@ def train(config: TrainConfig, *, log=print) -> dict:
     bf16 = config.model.dtype == "bfloat16"
     model.to(d.device)
     s = config.sampling
-    # The sampler generates with the training model itself, or with a full copy when the model is sharded.
-    sampler = HFSampler(copy.deepcopy(model) if d.distributed else model, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                        max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p)  # fmt: skip
+    sampler = _sampler(config, model, tok, d)
     ref_policy = None
     if config.loss.beta > 0:
         ref_policy = Policy(copy.deepcopy(model).requires_grad_(False), compute_dtype=torch.bfloat16 if bf16 else None)
@@ -178,8 +183,8 @@ def train(config: TrainConfig, *, log=print) -> dict:
                                  window=gs.window) if gs.adaptive else None  # fmt: skip
     order, rng, cursor, first, elapsed = list(range(len(train_set))), random.Random(config.seed), 0, 0, 0.0
 
-    def sync_sampler():
-        if d.distributed:
+    def sync_sampler():  # the shared-model HF sampler needs nothing
+        if d.distributed or s.sampler == "vllm":
             sampler.load_weights(full_state_dict(policy.model))
 
     if checkpoint is not None:
@@ -224,7 +229,7 @@ def train(config: TrainConfig, *, log=print) -> dict:
     out = metrics_path.open("w") if d.is_main else None
     if out is not None:
         out.writelines(line + "\n" for line in kept)
-    use_is = config.loss.sampler_is_mode is not None
+    compute_old = config.loss.sampler_is_mode is not None or s.sampler == "vllm"  # for the mismatch metric
     for step in range(first, o.steps):
         g = adaptive.group_size if adaptive else s.group_size
         parts, sampled, rounds = [], 0, 0
@@ -249,7 +254,7 @@ def train(config: TrainConfig, *, log=print) -> dict:
             metrics = grpo_step(policy, optimizer, rollout, rewards, loss_options=config.loss.kwargs(),
                                 temperature=s.temperature, token_budget=config.packing.token_budget,
                                 shared_prefix=config.packing.shared_prefix, num_iterations=o.num_iterations,
-                                grad_clip=o.grad_clip, ref_policy=ref_policy, compute_old_logps=use_is,
+                                grad_clip=o.grad_clip, ref_policy=ref_policy, compute_old_logps=compute_old,
                                 algorithm=config.packing.algorithm, dist=d,
                                 autocast_dtype=torch.bfloat16 if bf16 and not d.distributed else None)  # fmt: skip
             scheduler.step()
@@ -294,6 +299,9 @@ def train(config: TrainConfig, *, log=print) -> dict:
     log(f"held-out success after {o.steps} steps: {final_eval:.3f} (was {start_eval:.3f})")
     if d.distributed:
         torch.distributed.barrier()
+    if s.sampler == "vllm":
+        sampler.close()  # vLLM's shutdown also destroys the default process group
+    if d.distributed and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return summary
 

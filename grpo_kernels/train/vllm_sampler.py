@@ -86,12 +86,14 @@ class VLLMSampler:
 
     def __init__(self, model_dir, *, eos_id: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                  dtype: str = "float32", gpu_memory_utilization: float = 0.3, max_model_len: int | None = None,
-                 enforce_eager: bool = True):  # fmt: skip
+                 enforce_eager: bool = True, external_launcher: bool = False):  # fmt: skip
         """Start vLLM on the HF model directory `model_dir` (see `save_hf_model`).
 
         gpu_memory_utilization: the fraction of GPU memory vLLM takes (weights + KV cache); on CPU the KV cache is
         VLLM_CPU_KVCACHE_SPACE GiB instead. max_model_len: the longest prompt + completion (default: the model's).
         enforce_eager: no CUDA graphs / torch.compile, so the engine starts fast.
+        external_launcher: under torchrun, one engine per rank on the rank's own device (LOCAL_RANK), joined to the
+            launcher's process group (vLLM's "external_launcher" executor) instead of vLLM starting its own.
         """
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -120,6 +122,7 @@ class VLLMSampler:
             model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len, enforce_eager=enforce_eager, generation_config="vllm",
             logprobs_mode="raw_logprobs",
+            **({"distributed_executor_backend": "external_launcher"} if external_launcher else {}),
         )  # fmt: skip
         if temperature != 1.0:
             self._divide_logits_by(temperature)

@@ -1,0 +1,262 @@
+"""TRL's GRPOTrainer with the LM head fused into the GRPO loss: `FusedGRPOTrainer` and `use_grpo_kernels`.
+
+Design. TRL (1.16) computes the per-token log-probs with its own chunked LM head, then the loss from them in
+`_compute_loss`. `FusedGRPOTrainer` overrides `_compute_loss` only: the decoder body runs, the hidden states
+of the completion positions (TRL's alignment: positions -logits_to_keep - 1 .. -2 predict the completion
+tokens) go with the LM-head weight (and bias) to `grpo_kernels.fused_linear_grpo_loss`, which computes the
+loss, its gradients and the metrics chunk by chunk, never holding [T, V] logits. Generation, rewards,
+advantages, old / reference / sampler log-probs, buffering and the optimizer stay TRL's.
+
+The body and the head run inside the model's forward (reached through `model(...)`, so DDP / FSDP / PEFT
+wrappers see a forward): a small wrapper is installed on the model *instance* (as TRL's own fused head is),
+which, given the keyword `grpo_kernels_head`, returns that callable's result on (last hidden states, head weight,
+head bias) and otherwise calls the previous forward. Under FSDP2 the head is gathered there with
+`DTensor.full_tensor()`. DeepSpeed ZeRO-3 is refused: the fused loss computes its weight gradient in the
+forward, when ZeRO-3 has the parameter gathered, and returns it in the backward, when it is partitioned again.
+
+Every GRPOConfig option TRL's loss reads is honoured: loss_type, epsilon / epsilon_high, delta, beta (with TRL's
+reference log-probs), use_bias_correction_kl, importance_sampling_level, sapo temperatures, temperature,
+old log-probs (num_iterations > 1, steps_per_generation > gradient_accumulation_steps, vLLM), the vLLM
+importance-sampling correction (TRL's ratio, already truncated / masked, multiplies the policy term before the
+KL is added: passed as sampler log-probs old - log(ratio) with an inert cap), cast_lm_head_to_fp32, TRL's
+normalizers (gradient accumulation, num_items_in_batch over processes and steps_per_generation), tool masks.
+mask_truncated_completions acts on the completion mask before the loss. The logged metrics are TRL's names:
+kl, entropy, clip_ratio/{low_mean,high_mean,region_mean,low_min,high_max} or cispo_clip_ratio. The per-sequence
+low_min / high_max need per-token ratios: on-policy they are exactly 1; with old log-probs they cost one extra
+no-grad `fused_linear_logprobs` pass (one more [T, H] x [H, V] matmul).
+
+What the fused loss does not compute raises NotImplementedError at construction, naming the option: loss_type
+"luspo" / "vespo", top_entropy_quantile < 1, entropy_coef / use_adaptive_entropy, off_policy_mask_threshold,
+an MoE router auxiliary loss (router_aux_loss_coef), a PEFT adapter on the LM head, DeepSpeed ZeRO-3,
+vision-language models, and logit soft-capping / scaling in the model config (see `hf.check_plain_head`).
+"""
+
+import functools
+import inspect
+import re
+import types
+
+import torch
+from accelerate.utils import is_peft_model
+from trl import GRPOTrainer
+from trl.trainer.utils import nanmax, nanmin
+
+from ..fused_linear import fused_linear_grpo_loss, fused_linear_logprobs
+from .hf import backbone, check_plain_head, head_inputs, lm_head
+
+__all__ = ["FusedGRPOTrainer", "check_config", "use_grpo_kernels"]
+
+CLIP_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo")
+FUSED_LOSSES = (*CLIP_LOSSES, "cispo", "sapo")
+_HEAD_KWARG = "grpo_kernels_head"
+
+
+def _names_lm_head(pattern) -> bool:
+    if pattern is None:
+        return False
+    if isinstance(pattern, str):  # PEFT: a regex matched against the full module name ("all-linear" skips the head)
+        return pattern != "all-linear" and re.fullmatch(pattern, "lm_head") is not None
+    return any(name == "lm_head" or name.endswith(".lm_head") for name in pattern)
+
+
+def check_config(args=None, peft_config=None) -> None:
+    """Raise NotImplementedError naming the first GRPOConfig (or PEFT) option the fused loss does not run."""
+    if peft_config is not None and any(
+        _names_lm_head(getattr(peft_config, key, None)) for key in ("target_modules", "modules_to_save")
+    ):
+        raise NotImplementedError(
+            "a PEFT adapter on lm_head (peft_config target_modules / modules_to_save): grpo_kernels reads "
+            "lm_head.weight directly, so the adapter would be ignored"
+        )
+    if args is None:
+        return
+    if args.loss_type not in FUSED_LOSSES:
+        raise NotImplementedError(
+            f"loss_type={args.loss_type!r} is not fused by grpo_kernels (supported: {', '.join(FUSED_LOSSES)})"
+        )
+    if args.top_entropy_quantile < 1.0:
+        raise NotImplementedError(
+            f"top_entropy_quantile={args.top_entropy_quantile}: entropy masking needs every token's entropy before "
+            "the loss, which the fused LM-head loss computes in the same pass"
+        )
+    if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
+        raise NotImplementedError(
+            f"entropy_coef={args.entropy_coef} / use_adaptive_entropy={args.use_adaptive_entropy}: the entropy bonus "
+            "needs the entropy's gradient, which the fused LM-head loss does not compute"
+        )
+    if args.off_policy_mask_threshold is not None:
+        raise NotImplementedError(
+            f"off_policy_mask_threshold={args.off_policy_mask_threshold}: off-policy sequence masking needs the "
+            "current log-probs before the loss, which the fused LM-head loss computes in the same pass"
+        )
+
+
+def _enable(trainer) -> None:
+    """The checks that need the built trainer, then the forward wrapper on the (unwrapped) policy model."""
+    check_config(trainer.args)
+    if trainer.aux_loss_enabled:
+        raise NotImplementedError(
+            f"router_aux_loss_coef={trainer.router_aux_loss_coef}: the MoE load-balancing loss is not computed by "
+            "the fused path (set router_aux_loss_coef=0.0 to train without it)"
+        )
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():
+        raise NotImplementedError(
+            "DeepSpeed ZeRO-3: the fused loss computes the LM-head gradient in the forward, while ZeRO-3 has "
+            "re-partitioned the head by the backward (use FSDP2, whose sharded head is gathered with full_tensor())"
+        )
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    model = model.get_base_model() if is_peft_model(model) else model  # PEFT: the HF model inside
+    check_plain_head(model)
+    if not getattr(model.forward, "_grpo_kernels", False):
+        previous = model.forward
+
+        @functools.wraps(type(model).forward)  # keep the signature generate() validates its kwargs against
+        def forward(self, *args, **kwargs):
+            head = kwargs.pop(_HEAD_KWARG, None)
+            if head is None:
+                return previous(*args, **kwargs)
+            kwargs["use_cache"] = False
+            hidden = backbone(self)(*args, **kwargs).last_hidden_state
+            return head(hidden, *lm_head(self))
+
+        forward._grpo_kernels = True
+        model.forward = types.MethodType(forward, model)
+
+
+def _loss_options(trainer, inputs, old, mask) -> dict:
+    """fused_linear_grpo_loss's keyword arguments for this micro-batch (num_items_in_batch: see _normalizer)."""
+    args = trainer.args
+    options = dict(
+        mask=mask, loss_type=trainer.loss_type, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high,
+        delta=args.delta if trainer.loss_type in CLIP_LOSSES else None, beta=trainer.beta,
+        ref_logps=inputs["ref_per_token_logps"] if trainer.beta != 0.0 else None,
+        importance_sampling_level=trainer.importance_sampling_level,
+        max_completion_length=trainer.max_completion_length, use_bias_correction_kl=args.use_bias_correction_kl,
+        sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
+        num_items_in_batch=1.0 if trainer.loss_type in ("dapo", "cispo") else None,
+    )  # fmt: skip
+    if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
+        # TRL multiplies the policy term by its ratio (truncated or masked already). As sampler log-probs
+        # old - log(ratio), the kernel's exp(old - sampler) is that ratio; the cap (float32 max) never binds and
+        # log(0) is floored at -1e4, whose exp is exactly 0.
+        ratio = inputs["importance_sampling_ratio"]
+        log_ratio = torch.log(ratio.float()).clamp(min=-1e4).expand_as(old)
+        options.update(sampler_logps=old - log_ratio, sampler_is_mode="token_truncate",
+                       sampler_is_cap=torch.finfo(torch.float32).max)  # fmt: skip
+    return options
+
+
+def _normalizer(trainer, inputs, mode):
+    """What TRL divides the micro-batch loss by (dapo / cispo: the fused loss is their masked sum)."""
+    accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
+    if trainer.loss_type in ("dapo", "cispo"):
+        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
+        return normalizer * accumulation / trainer.args.steps_per_generation if mode == "train" else normalizer
+    return accumulation
+
+
+def _fused_compute_loss(self, model, inputs):
+    """TRL's `_compute_loss` with the LM head fused into the loss (grpo_kernels.integrations.trl)."""
+    prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+    completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+    keep = completion_ids.size(1)
+    mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+    mode = "train" if self.model.training else "eval"
+    old, advantages = inputs.get("old_per_token_logps"), inputs["advantages"]
+    options = _loss_options(self, inputs, old, mask)
+    extremes = self.loss_type in CLIP_LOSSES and old is not None  # low_min / high_max need the current log-probs
+
+    def head(hidden, weight, bias):
+        h, w, b = head_inputs(hidden[:, -keep - 1 : -1], weight, bias, fp32=self.args.cast_lm_head_to_fp32)
+        if not torch.is_grad_enabled():  # eval: no gradient buffers
+            h, w, b = (None if x is None else x.detach() for x in (h, w, b))
+        with torch.autocast(h.device.type, enabled=False):
+            loss, metrics = fused_linear_grpo_loss(
+                h, w, completion_ids, advantages, bias=b, old_logps=old, temperature=self.temperature,
+                return_entropy=True, **options,
+            )  # fmt: skip
+            logps = None
+            if extremes:
+                logps = fused_linear_logprobs(h.detach(), w.detach(), completion_ids, temperature=self.temperature,
+                                              bias=None if b is None else b.detach())  # fmt: skip
+        return loss, metrics, logps
+
+    with self.accelerator.autocast():
+        loss, metrics, logps = model(input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
+                                     attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),
+                                     **{_HEAD_KWARG: head})  # fmt: skip
+    _log_metrics(self, mode, metrics, mask, advantages, logps, old)
+    return loss / _normalizer(self, inputs, mode)
+
+
+def _log_metrics(trainer, mode, metrics, mask, advantages, logps, old) -> None:
+    """TRL's loss metrics: means reduced over processes as (sum, count), clip extremes gathered per sequence."""
+    log = trainer._metrics[mode]
+    tokens = mask.sum().float()
+    seq_level = trainer.importance_sampling_level == "sequence" and advantages.dim() == 1
+    per_seq = torch.tensor(float(mask.shape[0]), device=tokens.device)
+
+    def global_mean(value, count):
+        totals = trainer.accelerator.reduce(torch.stack([value.float() * count, count]), reduction="sum")
+        return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+    if trainer.beta != 0.0:
+        log["kl"].append(global_mean(metrics["kl"], tokens))
+    log["entropy"].append(global_mean(metrics["entropy"], tokens))
+    count = per_seq if seq_level else tokens
+    if trainer.loss_type in CLIP_LOSSES:
+        for name in ("low_mean", "high_mean", "region_mean"):
+            log[f"clip_ratio/{name}"].append(global_mean(metrics[f"clip_ratio/{name}"], count))
+        low, high = _clip_flags(trainer, mask, advantages, logps, old)
+        log["clip_ratio/low_min"].append(nanmin(trainer.accelerator.gather(_seq_mean(low, mask))).item())
+        log["clip_ratio/high_max"].append(nanmax(trainer.accelerator.gather(_seq_mean(high, mask))).item())
+    elif trainer.loss_type == "cispo":
+        log["cispo_clip_ratio"].append(global_mean(metrics["cispo_clip_ratio"], count))
+
+
+def _clip_flags(trainer, mask, advantages, logps, old):
+    """TRL's is_low_clipped / is_high_clipped, [B, T] (token level) or [B, 1] (sequence level)."""
+    log_ratio = torch.zeros_like(mask, dtype=torch.float32) if logps is None else logps - old
+    if trainer.importance_sampling_level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    ratio = torch.exp(log_ratio)
+    if trainer.args.delta is not None:
+        ratio = ratio.clamp(max=trainer.args.delta)
+    a = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    return (ratio < 1 - trainer.epsilon_low) & (a < 0), (ratio > 1 + trainer.epsilon_high) & (a > 0)
+
+
+def _seq_mean(flags, mask):
+    """Per-sequence mean of flags over the mask (NaN for an empty sequence, as TRL's masked_seq_mean)."""
+    if flags.shape[1] == 1:
+        return flags.float().squeeze(1)
+    return (flags.float() * mask).sum(-1) / mask.sum(-1)
+
+
+class FusedGRPOTrainer(GRPOTrainer):
+    """`trl.GRPOTrainer` whose training loss runs `grpo_kernels.fused_linear_grpo_loss` on the hidden states and
+    the LM head (no [T, V] logits). Same constructor, config and logged metric names; options the fused loss
+    cannot run raise NotImplementedError here (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        bound = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments
+        check_config(bound.get("args"), bound.get("peft_config"))  # fail before TRL loads anything
+        super().__init__(*args, **kwargs)
+        _enable(self)
+
+    _compute_loss = _fused_compute_loss
+
+
+def use_grpo_kernels(trainer: GRPOTrainer) -> GRPOTrainer:
+    """Switch an existing GRPOTrainer (or a subclass instance) to the fused loss, in place; returns it.
+
+    Checks the options as FusedGRPOTrainer does, installs the forward wrapper on its model and binds the fused
+    `_compute_loss` on this instance only (no class is patched). A subclass's own `_compute_loss` is replaced.
+    """
+    if not isinstance(trainer, GRPOTrainer):
+        raise TypeError(f"use_grpo_kernels takes a trl.GRPOTrainer, got {type(trainer).__name__}")
+    _enable(trainer)
+    trainer._compute_loss = types.MethodType(_fused_compute_loss, trainer)
+    return trainer

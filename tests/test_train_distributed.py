@@ -100,6 +100,13 @@ def test_a_killed_and_resumed_run_ends_like_an_uninterrupted_one(tmp_path, monke
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_a_fresh_run_refuses_a_run_dir_with_checkpoints(tmp_path):
+    (tmp_path / "checkpoints" / "step_2").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_2" / "trainer_state.json").write_text("{}")
+    with pytest.raises(ValueError, match="holds checkpoints of an earlier run"):
+        trainer.train(load_config(None, [f"--logging.run_dir={tmp_path}"]), log=lambda *a: None)
+
+
 def test_resume_without_a_checkpoint_is_an_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "grpo_kernels.cli", "train", "--resume", str(tmp_path)],
                           capture_output=True, text=True)  # fmt: skip

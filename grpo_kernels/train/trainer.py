@@ -179,9 +179,12 @@ def train(config: TrainConfig, *, log=print) -> dict:
     d = init_distributed(config.distributed.backend)
     resume = config.checkpoint.resume
     run_dir = Path(resume or config.logging.run_dir)
-    checkpoint = latest_checkpoint(run_dir) if resume else None
+    checkpoint = latest_checkpoint(run_dir)
     if resume and checkpoint is None:
         raise ValueError(f"checkpoint.resume: no checkpoint in {run_dir}/checkpoints")
+    if not resume and checkpoint is not None:
+        raise ValueError(f"logging.run_dir {run_dir} holds checkpoints of an earlier run: resume it (--resume "
+                         f"{run_dir}) or choose another run_dir")  # fmt: skip
     torch.manual_seed(config.seed)
     tok, task, train_set, eval_set, model = _build(config)
     if not d.is_main:

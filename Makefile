@@ -44,12 +44,7 @@ test: setup setup-vllm lint
 	GRPO_REQUIRE_VLLM=1 $(PY) -m pytest -q tests
 
 bench: setup
-	$(PY) benchmarks/bench_advantages.py
-	$(PY) benchmarks/bench_logprobs.py
-	$(PY) benchmarks/bench_loss.py
-	$(PY) benchmarks/bench_fused_linear.py
-	$(PY) benchmarks/bench_packing.py
-	$(PY) benchmarks/bench_planner.py
+	$(PY) -m benchmarks.run
 
 lint: $(STAMP)
 	.venv/bin/ruff check grpo_kernels tests benchmarks setup.py

@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint (its config.toml)")
     pl = sub.add_parser("plot", help="PNGs of a training run (reward, invalid groups vs theory, throughput)")
     pl.add_argument("run_dir")
+    sub.add_parser("group-size-study", add_help=False, help="invalid groups, gradient noise and reward vs G "
+                   "(benchmarks/group_size_study.py; its options: group-size-study --help)")  # fmt: skip
     args, overrides = parser.parse_known_args(argv)
     if args.command == "demo":
         if overrides:
@@ -98,6 +100,22 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"wrote {path}")
         except ValueError as exc:
             raise SystemExit(f"grpo-kernels plot: error: {exc}") from None
+    elif args.command == "group-size-study":
+        _load_benchmark("group_size_study").main(overrides)
+
+
+def _load_benchmark(name: str):
+    """benchmarks/<name>.py of the source checkout (the benchmarks are not part of the installed package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    if not path.exists():
+        raise SystemExit(f"grpo-kernels: {path} not found: this command needs a source checkout of grpo_kernels")
+    spec = importlib.util.spec_from_file_location(f"_grpo_benchmark_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ Design: each benchmark script runs as a subprocess (a fresh process each, as the
 with --csv pointing at its per-op CSV under the output directory, --device where the script takes one and --quick
 in quick mode; its output goes to <out>/logs/<name>.log (in a full run: a temporary dir) and one progress line per
 benchmark is printed. The rows it appended are read back and mapped onto one column set (COLUMNS: op, case, shape,
-provider, median_ms, peak_mb where the script measures it, vs_best_baseline), appended to <out>/<device>.csv, and
+provider, median_ms, peak_mb where the script measures it, vs_best_baseline, torch, threads), appended to
+<out>/<device>.csv, and
 this run's rows are rendered as <out>/<device>.md (a table per op) and <out>/<device>_<op>.png
 (benchmarks.common.plot_bars).
 The output directory is benchmarks/results/ in a full run (the per-op CSVs there get this run's rows, as when the
@@ -32,10 +33,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # importable from a plain checkout too
 
+import torch
+
 from benchmarks.common import RESULTS, ROOT, append_csv, git_sha, plot_bars
 
 COLUMNS = ["timestamp", "device", "git_sha", "benchmark", "op", "case", "shape", "provider", "median_ms", "peak_mb",
-           "vs_best_baseline"]  # fmt: skip
+           "vs_best_baseline", "torch", "threads"]  # fmt: skip
 OURS = {"ours", "ours_inplace", "fused", "cpp", "packed", "shared_prefix"}
 NOT_BASELINES = OURS | {"floor"}
 
@@ -72,7 +75,7 @@ class Benchmark:
         provider = r["layout"] if self.name == "packing" else r["provider"]
         return {"timestamp": r["timestamp"], "device": r["device"], "git_sha": r["git_sha"], "benchmark": self.name,
                 "op": op, "case": case, "shape": shape, "provider": provider, "median_ms": float(r["median_ms"]),
-                "peak_mb": peak}  # fmt: skip
+                "peak_mb": peak, "torch": r["torch"], "threads": torch.get_num_threads()}  # fmt: skip
 
 
 BENCHMARKS = [Benchmark("advantages", True), Benchmark("logprobs", True), Benchmark("loss", True),

@@ -16,6 +16,8 @@ import triton
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+OURS = {"ours", "ours_inplace", "fused", "cpp", "packed", "shared_prefix"}  # grpo-kernels' providers in every benchmark
+NOT_BASELINES = OURS | {"floor"}  # fused_linear's "floor" is a lower bound (the unavoidable matmuls), not a baseline
 
 
 def median_ms(fn, device: str, min_time: float, min_repeats: int = 5) -> float:

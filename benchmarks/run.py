@@ -12,14 +12,14 @@ with --csv pointing at its per-op CSV under the output directory, --device where
 in quick mode; its output goes to <out>/logs/<name>.log (in a full run: a temporary dir) and one progress line per
 benchmark is printed. The rows it appended are read back and mapped onto one column set (COLUMNS: op, case, shape,
 provider, median_ms, peak_mb where the script measures it, vs_best_baseline, torch, threads), appended to
-<out>/<device>.csv, and
-this run's rows are rendered as <out>/<device>.md (a table per op) and <out>/<device>_<op>.png
+<out>/<device>.csv, and this run's rows are rendered as <out>/<device>.md (a table per op) and <out>/<device>_<op>.png
 (benchmarks.common.plot_bars).
 The output directory is benchmarks/results/ in a full run (the per-op CSVs there get this run's rows, as when the
 scripts run alone) and a fresh temporary directory in quick mode (unless --out), so smoke runs leave the committed
 results alone. vs_best_baseline = the provider's median ms / the fastest baseline's of the same op, case and shape,
-where the baselines are every provider that is not ours (OURS below) except fused_linear's "floor", which is a
-lower bound (the unavoidable matmuls), not an implementation. Below 1 is faster than every baseline.
+where the baselines are every provider that is not ours (benchmarks.common.OURS) except fused_linear's "floor", which
+is a lower bound (the unavoidable matmuls), not an implementation. Below 1 is faster than every baseline. A full run
+into benchmarks/results/ then rewrites README.md's Performance section (benchmarks.readme).
 """
 
 import argparse
@@ -35,12 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # importable from 
 
 import torch
 
-from benchmarks.common import RESULTS, ROOT, append_csv, git_sha, plot_bars
+from benchmarks import readme
+from benchmarks.common import NOT_BASELINES, RESULTS, ROOT, append_csv, git_sha, plot_bars
 
 COLUMNS = ["timestamp", "device", "git_sha", "benchmark", "op", "case", "shape", "provider", "median_ms", "peak_mb",
            "vs_best_baseline", "torch", "threads"]  # fmt: skip
-OURS = {"ours", "ours_inplace", "fused", "cpp", "packed", "shared_prefix"}
-NOT_BASELINES = OURS | {"floor"}
 
 
 @dataclass(frozen=True)
@@ -175,6 +174,9 @@ def main() -> None:
         print(f"appended {len(rows)} rows to {out / f'{args.device}.csv'}; wrote {render(rows, out, args.device)}")
     if failed:
         raise SystemExit(f"failed: {', '.join(failed)}")
+    if out == RESULTS:
+        changed = readme.update()
+        print("README.md's Performance section " + ("rewritten from the results" if changed else "unchanged"))
 
 
 if __name__ == "__main__":

@@ -63,3 +63,90 @@ def test_e2e_vs_trl_quick_has_three_providers(tmp_path):
             assert float(r[key]) > 0, (r["provider"], key)
     assert "| grpo_kernels |" in out.stdout
     assert snapshot() == before
+
+
+# README.md's Performance section (benchmarks/readme.py): generated from the results files, never hand-edited.
+
+
+def test_readme_performance_section_matches_the_committed_results():
+    from benchmarks import readme
+
+    text = readme.README.read_text()
+    assert text.count(readme.BEGIN) == 1 and text.count(readme.END) == 1
+    section = text.split(readme.BEGIN)[1].split(readme.END)[0]
+    assert section.strip(), "empty Performance section"
+    assert readme.updated_readme(text, readme.render()) == text, "run: .venv/bin/python -m benchmarks.readme"
+    if (RESULTS / "cpu.csv").exists():
+        for table in readme.TABLES:  # every op of `make bench` has its table
+            assert table.title in section, table.op
+
+
+def write_csv(path: Path, rows: list) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def combined_row(provider, ms, *, op="planner", case="greedy", shape="N=100000", timestamp="2026-01-02T03:04:05",
+                 sha="abc1234", peak=""):  # fmt: skip
+    return {"timestamp": timestamp, "device": "Test CPU", "git_sha": sha, "benchmark": op, "op": op, "case": case,
+            "shape": shape, "provider": provider, "median_ms": ms, "peak_mb": peak, "vs_best_baseline": "",
+            "torch": "9.9", "threads": 3}  # fmt: skip
+
+
+def test_readme_render_takes_the_latest_rows_and_computes_speedups(tmp_path):
+    from benchmarks import readme
+
+    write_csv(tmp_path / "cpu.csv", [
+        combined_row("reference", 800.0), combined_row("cpp", 100.0),            # an older run: replaced below
+        combined_row("reference", 700.0, timestamp="2026-02-03T00:00:00", sha="def5678"),
+        combined_row("cpp", 140.0, timestamp="2026-02-03T00:00:00", sha="def5678"),
+        combined_row("reference", 5.0, shape="N=1000"),                         # not in the README's planner table
+        combined_row("naive", 300.0, op="fused_linear", case="fp32", shape="8x4x16", peak=40.0),
+        combined_row("floor", 90.0, op="fused_linear", case="fp32", shape="8x4x16", peak=10.0),
+        combined_row("ours", 120.0, op="fused_linear", case="fp32", shape="8x4x16", peak=2.0),
+    ])  # fmt: skip
+    section = readme.render(tmp_path)
+    assert "on Test CPU, torch 9.9, 3 threads" in section
+    assert "| greedy | N=100000 | 700 | 140 | **5.00x** |" in section  # the latest rows: 700 / 140
+    assert "2026-02-03, commit def5678" in section and "abc1234" not in section.split("plan_micro_batches")[1]
+    assert "N=1000 " not in section
+    # the floor is not a baseline: speed-up vs naive (300 / 120), and a time-vs-floor column (120 / 90)
+    assert "| fp32 | 8x4x16 | 90 (10 MB) | 300 (40 MB) |  | 120 (2 MB) | **2.50x** | 1.33x |" in section
+    assert "selective_logprobs" not in section  # an op without rows has no table
+    assert "**GPU:** no numbers yet" in section
+
+
+def test_readme_render_errors_on_a_table_without_rows_and_on_missing_markers(tmp_path):
+    from benchmarks import readme
+
+    write_csv(tmp_path / "cpu.csv", [combined_row("reference", 5.0, shape="N=1000")])
+    with pytest.raises(SystemExit, match="no planner rows"):
+        readme.render(tmp_path)
+    with pytest.raises(SystemExit, match="exactly one"):
+        readme.updated_readme("# a README without the markers\n", "## Performance\n")
+    assert readme.updated_readme(f"a\n{readme.BEGIN}\nold\n{readme.END}\nb\n", "new\n") == (
+        f"a\n{readme.BEGIN}\nnew\n{readme.END}\nb\n"
+    )
+
+
+def test_readme_render_shows_a_gpu_check_csv(tmp_path):
+    from benchmarks import readme
+
+    write_csv(tmp_path / "gpu_check_NVIDIA_H200.csv", [
+        {"kind": "check", "op": "advantages", "shape": "float32", "provider": "ours", "value": "1e-7",
+         "unit": "rel err", "ok": "True", "rate": "", "vs_best_baseline": ""},
+        {"kind": "check", "op": "logprobs", "shape": "bfloat16", "provider": "ours", "value": "9e-1",
+         "unit": "rel err", "ok": "False", "rate": "", "vs_best_baseline": ""},
+        {"kind": "time", "op": "logprobs", "shape": "4096x152064", "provider": "ours", "value": "1.234", "unit": "ms",
+         "ok": "", "rate": "2000 GB/s (50% of copy)", "vs_best_baseline": "3.10x"},
+    ])  # fmt: skip
+    write_csv(tmp_path / "gpu_check_cpu-dry-run.csv", [
+        {"kind": "check", "op": "x", "shape": "", "provider": "", "value": "", "unit": "", "ok": "True", "rate": "",
+         "vs_best_baseline": ""}])  # fmt: skip
+    section = readme.render(tmp_path)
+    assert "**NVIDIA H200**" in section and "1 of 2 checks against the reference pass" in section
+    assert "| logprobs | 4096x152064 | ours | 1.234 ms | 2000 GB/s (50% of copy) | 3.10x |" in section
+    assert "dry-run" not in section and "no numbers yet" not in section

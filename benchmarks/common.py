@@ -133,15 +133,17 @@ def plot_bars(rows: list, path: Path, *, panel: Callable, shape: Callable, xlabe
     panels = {}
     for r in rows:
         panels.setdefault(panel(r), []).append(r)
+    # one colour per provider, the same in every panel
+    color = {name: f"C{i % 10}" for i, name in enumerate(dict.fromkeys(r["provider"] for r in rows))}
 
     def draw(ax, panel_rows):
         shapes = list(dict.fromkeys(shape(r) for r in panel_rows))
-        names = list(dict.fromkeys(r["provider"] for r in panel_rows))
+        names = [name for name in color if any(r["provider"] == name for r in panel_rows)]
         width = 0.8 / len(names)
         for k, name in enumerate(names):
             ms = {shape(r): r["median_ms"] for r in panel_rows if r["provider"] == name}
             xs = [i + (k - (len(names) - 1) / 2) * width for i, s in enumerate(shapes) if s in ms]
-            ax.bar(xs, [ms[s] for s in shapes if s in ms], width, label=name)
+            ax.bar(xs, [ms[s] for s in shapes if s in ms], width, label=name, color=color[name])
         ax.set_xticks(range(len(shapes)), shapes, fontsize=7)
         ax.set_yscale("log")
         ax.set(xlabel=xlabel, ylabel="median ms")

@@ -113,7 +113,7 @@ def fmt_ms(ms: float) -> str:
 
 def cell(row: dict) -> str:
     ms = fmt_ms(float(row["median_ms"]))
-    return f"{ms} ({float(row['peak_mb']):,.0f} MB)" if row.get("peak_mb") not in (None, "") else ms
+    return f"{ms} ({round(float(row['peak_mb'])):,} MB)" if row.get("peak_mb") not in (None, "") else ms  # no "-0"
 
 
 def provenance(rows: list) -> str:

@@ -113,7 +113,9 @@ def test_beta_trains_against_a_frozen_reference(tmp_path):
 
 def test_bfloat16_compute_keeps_fp32_master_weights(tmp_path):
     rows = _short_run(tmp_path / "run", "--task.name=add", "--model.dtype=bfloat16", "--checkpoint.every=2")
-    assert all(r["loss"] == r["loss"] and r["grad_norm"] > 0 for r in rows)
+    assert all(r["loss"] == r["loss"] for r in rows)
+    learning = [r for r in rows if r["invalid_group_rate"] < 1]  # a step whose groups are all invalid has no gradient
+    assert learning and all(r["grad_norm"] > 0 for r in learning)
     assert 'dtype = "bfloat16"' in (tmp_path / "run" / "config.toml").read_text()
     from torch.distributed.checkpoint import FileSystemReader
 

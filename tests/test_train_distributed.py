@@ -57,11 +57,17 @@ def test_one_and_two_fsdp_ranks_give_the_same_losses_and_weights(tmp_path):
     w1, w2 = _weights(one / "checkpoints" / "step_3"), _weights(two / "checkpoints" / "step_3")
     first = _weights(two / "checkpoints" / "step_1")
     assert any(not torch.equal(first[k], w2[k]) for k in w2), "the weights did not change"
-    # Adam divides by sqrt(v): a gradient that is zero up to rounding (the key bias: softmax ignores a constant
-    # shift) moves its weight by up to lr either way. So compare the runs' difference with the size of the update.
+    # Adam divides by sqrt(v): an element whose gradient is zero up to rounding moves by up to lr either way, so a
+    # rounding difference between the runs can flip its step. The key biases get no gradient at all in exact
+    # arithmetic (softmax ignores a shift common to all keys): their update is rounding noise, not compared. In every
+    # other tensor, at most 0.1% of the elements may differ by more than 2% of the update, and the mean difference is
+    # below 0.1% of the mean update; a real data-parallel bug (an unsynchronised or mis-scaled gradient) moves most.
     for k in w1:
+        if k.endswith("k_proj.bias"):
+            continue
         diff, update = (w1[k] - w2[k]).abs(), (w2[k] - first[k]).abs()
-        assert diff.max() <= 0.02 * update.max() and diff.mean() <= 1e-3 * update.mean(), (k, diff.max(), diff.mean())
+        off = float((diff > 0.02 * update.max()).float().mean())
+        assert off <= 1e-3 and diff.mean() <= 1e-3 * update.mean(), (k, off, diff.max(), diff.mean())
     summary = json.loads((two / "summary.json").read_text())
     assert summary["world_size"] == 2
 

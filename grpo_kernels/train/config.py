@@ -228,6 +228,8 @@ class SamplingConfig:
     """Sampling temperature (> 0); the trainer's log-probs use the same temperature."""
     top_p: float = 1.0
     """Nucleus sampling mass, 0 < top_p <= 1 (1 = off)."""
+    hf_max_batch_rows: int = 256
+    """The HF sampler generates equal-length prompts together, at most this many completions per `generate` call."""
     vllm_gpu_memory_utilization: float = 0.3
     """Share of the GPU's memory the vLLM sampler takes on each rank (weights + KV cache), in (0, 1); on CPU the
     KV cache is VLLM_CPU_KVCACHE_SPACE GiB instead (1 unless set)."""
@@ -235,7 +237,7 @@ class SamplingConfig:
     def __post_init__(self):
         _validate(
             self,
-            at_least={"group_size": 2, "prompts_per_step": 1, "max_new_tokens": 1},
+            at_least={"group_size": 2, "prompts_per_step": 1, "max_new_tokens": 1, "hf_max_batch_rows": 1},
             choices={"sampler": ("hf", "vllm")},
         )
         _check(self, "temperature", self.temperature > 0, "> 0")

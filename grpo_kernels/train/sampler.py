@@ -5,13 +5,19 @@ prompts share the call (or the rank): 1 and N data-parallel ranks sample the sam
 
 `HFSampler` runs transformers' `generate` on a local model (SDPA attention while generating, the packed
 "grpo_varlen" attention restored afterwards): the training model itself in a single process, or a full copy
-that `load_weights` refreshes after every optimizer step when the training model is sharded. A group's G copies
-of one prompt have equal lengths, so no padding mask is needed; groups are generated one after another.
+that `load_weights` refreshes after every optimizer step when the training model is sharded. Prompts of equal
+length are generated together, every group in one batch (up to `max_batch_rows` rows), so no padding mask is
+needed. The draw does not use the global RNG: `_SeededSampling` gives every row (group k, member j) its own
+generator, seeded from (seeds[k], j), and draws its token by Gumbel-max from softmax(top_p(logits / T)); generate
+then takes that token as its greedy pick. So a row's tokens do not depend on its batch. `generate` gets a fresh
+GenerationConfig and the model's own generation defaults (repetition penalty, top-k, ...) are set aside while it
+runs, so they never change the draw.
 """
 
 from dataclasses import dataclass
 
 import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 __all__ = ["HFSampler", "Rollout"]
 
@@ -29,13 +35,46 @@ class Rollout:
     group_size: int
 
 
+class _SeededSampling(LogitsProcessor):
+    """Draw each row's next token from softmax(top_p(scores / T)) with that row's generator (Gumbel-max) and return
+    scores that are -inf except at the drawn token, for generate's greedy step."""
+
+    def __init__(self, generators: list, temperature: float, top_p: float):
+        self.generators, self.temperature, self.top_p = generators, temperature, top_p
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        logits = scores.float() / self.temperature
+        if self.top_p < 1.0:  # drop the tokens after the smallest set whose probability reaches top_p
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            probs = sorted_logits.softmax(-1)
+            drop = probs.cumsum(-1) - probs >= self.top_p  # the mass before this token already reaches top_p
+            logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        uniform = torch.stack([torch.rand(logits.shape[-1], generator=g, device=logits.device)
+                               for g in self.generators])  # fmt: skip
+        gumbel = -torch.log(-torch.log(uniform.clamp_min(torch.finfo(torch.float32).tiny)))
+        token = (logits + gumbel).argmax(-1, keepdim=True)
+        return torch.full_like(scores, float("-inf")).scatter_(-1, token, 0.0)
+
+
+def row_seed(seed: int, member: int) -> int:
+    """A 63-bit seed for member j of the group drawn with seed (SplitMix64 of both), distinct across groups."""
+    mask = (1 << 64) - 1
+    z = (seed * 0x9E3779B97F4A7C15 + member + 1) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) >> 1
+
+
 class HFSampler:
     """Batched `generate` on a local HF model."""
 
     def __init__(self, model, *, eos_id: int, pad_id: int, max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0):  # fmt: skip
+                 top_p: float = 1.0, max_batch_rows: int = 256):  # fmt: skip
+        if max_batch_rows < 1:
+            raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
         self.model, self.eos_id, self.pad_id = model, eos_id, pad_id
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.max_batch_rows = max_batch_rows
 
     @torch.no_grad()
     def sample(self, prompts: list, group_size: int, *, seeds: list) -> Rollout:
@@ -45,34 +84,46 @@ class HFSampler:
         model = self.model
         attn = model.config._attn_implementation
         training = model.training
+        generation_defaults = model.generation_config
         model.eval()
         model.set_attn_implementation("sdpa")
-        generator_state = torch.random.get_rng_state()
-        out_prompts, out_completions, out_logps = [], [], []
+        model.generation_config = GenerationConfig()  # generate fills unset options from it: the library's defaults
+        prompts = [torch.as_tensor(p, dtype=torch.long) for p in prompts]
+        rows = [(k, j) for k in range(len(prompts)) for j in range(group_size)]
+        by_length = {}
+        for k, j in rows:
+            by_length.setdefault(prompts[k].numel(), []).append((k, j))
+        completions, logps = {}, {}
         try:
-            for prompt, seed in zip(prompts, seeds, strict=True):
-                torch.manual_seed(seed)
-                ids = torch.as_tensor(prompt, dtype=torch.long)[None].repeat(group_size, 1)
-                out = model.generate(
-                    ids, max_new_tokens=self.max_new_tokens, do_sample=True, temperature=self.temperature, top_k=0,
-                    top_p=self.top_p, output_logits=True, return_dict_in_generate=True, pad_token_id=self.pad_id,
-                    eos_token_id=self.eos_id, use_cache=True,
-                )  # fmt: skip
-                new = out.sequences[:, ids.shape[1] :]
-                logits = torch.stack(out.logits, dim=1).float() / self.temperature  # [G, steps, V]
-                logps = torch.log_softmax(logits, -1).gather(-1, new[..., None])[..., 0]
-                for g in range(group_size):
-                    ends = (new[g] == self.eos_id).nonzero()
-                    n = int(ends[0]) + 1 if ends.numel() else new.shape[1]
-                    out_prompts.append(ids[g])
-                    out_completions.append(new[g, :n].clone())
-                    out_logps.append(logps[g, :n].clone())
+            for batch_rows in by_length.values():
+                for start in range(0, len(batch_rows), self.max_batch_rows):
+                    batch = batch_rows[start : start + self.max_batch_rows]
+                    new, lp = self._generate(torch.stack([prompts[k] for k, _ in batch]),
+                                             [row_seed(seeds[k], j) for k, j in batch])  # fmt: skip
+                    for i, row in enumerate(batch):
+                        ends = (new[i] == self.eos_id).nonzero()
+                        n = int(ends[0]) + 1 if ends.numel() else new.shape[1]
+                        completions[row], logps[row] = new[i, :n].clone(), lp[i, :n].clone()
         finally:
-            torch.random.set_rng_state(generator_state)
+            model.generation_config = generation_defaults
             model.set_attn_implementation(attn)
             model.train(training)
-        return Rollout(prompt_ids=out_prompts, completion_ids=out_completions, sampler_logps=out_logps,
-                       group_size=group_size)  # fmt: skip
+        return Rollout(prompt_ids=[prompts[k] for k, _ in rows], completion_ids=[completions[r] for r in rows],
+                       sampler_logps=[logps[r] for r in rows], group_size=group_size)  # fmt: skip
+
+    def _generate(self, ids: torch.Tensor, row_seeds: list) -> tuple:
+        """(new tokens [B, steps], their log-probs at the sampling temperature) for prompts ids [B, L]."""
+        device = self.model.device
+        generators = [torch.Generator(device=device).manual_seed(s) for s in row_seeds]
+        config = GenerationConfig(max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=self.pad_id,
+                                  eos_token_id=self.eos_id, output_logits=True, return_dict_in_generate=True,
+                                  use_cache=True)  # fmt: skip
+        out = self.model.generate(ids.to(device), generation_config=config,
+                                  logits_processor=LogitsProcessorList([_SeededSampling(generators, self.temperature,
+                                                                                        self.top_p)]))  # fmt: skip
+        new = out.sequences[:, ids.shape[1] :].cpu()
+        logits = torch.stack(out.logits, dim=1).float().cpu() / self.temperature  # [B, steps, V], raw logits
+        return new, torch.log_softmax(logits, -1).gather(-1, new[..., None])[..., 0]
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict) -> None:

@@ -156,7 +156,8 @@ def _sampler(config: TrainConfig, model, tok, d: Dist):
     s = config.sampling
     if s.sampler == "hf":
         return HFSampler(copy.deepcopy(model) if d.distributed else model, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                         max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p)  # fmt: skip
+                         max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                         max_batch_rows=s.hf_max_batch_rows)  # fmt: skip
     from .vllm_sampler import VLLMSampler, save_hf_model
 
     with tempfile.TemporaryDirectory(prefix="grpo-sampler-") as directory:  # vLLM loads from a directory

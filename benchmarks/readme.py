@@ -169,8 +169,10 @@ def e2e_section(path: Path) -> list:
         lines.append(f"| {names.get(r['provider'], r['provider'])} | {float(r['step_s']):.3f} | "
                      f"{float(r['loss_step_s']):.3f} | {float(r['completion_tokens_per_s']):,.0f} | "
                      f"{float(r['peak_rss_mb']):,.0f} | {float(r['step_vs_trl']):.2f}x |")  # fmt: skip
-    lines += ["", "The vocabulary is tiny here, so fusing the LM head saves nothing; `grpo-kernels train`'s HF "
-              "sampler calls `generate` once per group, where TRL batches every prompt.", ""]  # fmt: skip
+    lines += ["", "The vocabulary is tiny here, so fusing the LM head cannot save anything: at this size a step is "
+              "per-call overhead (generate, Python, the optimizer), which also makes these times vary from run to run "
+              "(every run is in the CSV). `grpo-kernels train`'s loss step includes gradient clipping and the "
+              "optimizer step.", ""]  # fmt: skip
     return lines
 
 

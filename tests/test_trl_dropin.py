@@ -342,6 +342,17 @@ def test_compute_logprobs_padded_matches_log_softmax_of_the_logits(model_dir, ke
     assert_close(got[real], plain_logprobs(logits, ids[:, -k:], 0.7)[real], name="log-probs", rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(attention_mask=torch.ones(3, 10, dtype=torch.long)), r"attention_mask must be a tensor shaped like"),
+    (dict(attention_mask=[[1] * 11] * 3), r"attention_mask must be a tensor"),
+    (dict(logits_to_keep=11), r"logits_to_keep must be an int in \[1, 10\]"),
+])  # fmt: skip
+def test_compute_logprobs_rejects_bad_arguments(model_dir, kwargs, message):
+    model = biased_head_model(model_dir).eval()
+    with pytest.raises(ValueError, match=message):
+        compute_logprobs(model, torch.randint(2, V, (3, 11)), **kwargs)
+
+
 def test_compute_logprobs_packed_matches_log_softmax_of_the_logits(model_dir):
     register_hf_attention()
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="grpo_varlen").eval()

@@ -119,6 +119,11 @@ def compute_logprobs(model, input_ids: torch.Tensor | None, *, attention_mask: t
         keep = length - 1 if logits_to_keep is None else logits_to_keep
         if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= length - 1:
             raise ValueError(f"logits_to_keep must be an int in [1, {length - 1}], got {logits_to_keep!r}")
+        if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
+                                           or attention_mask.shape != input_ids.shape):  # fmt: skip
+            got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
+            raise ValueError(f"attention_mask must be a tensor shaped like input_ids {tuple(input_ids.shape)}, "
+                             f"got {got}")  # fmt: skip
         out = backbone(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         hidden = out.last_hidden_state[:, length - keep - 1 : length - 1]
         ids = input_ids[:, length - keep :]

@@ -8,12 +8,12 @@ Usage (from the repository root):
     .venv/bin/python -m benchmarks.run --quick --out /tmp/b    # quick mode, outputs kept in /tmp/b
 
 Design: each benchmark script runs as a subprocess (a fresh process each, as the scripts' own memory runs assume)
-with --csv pointing at its per-op CSV under the output directory, --device where the script takes one and --quick
-in quick mode; its output goes to <out>/logs/<name>.log (in a full run: a temporary dir) and one progress line per
-benchmark is printed. The rows it appended are read back and mapped onto one column set (COLUMNS: op, case, shape,
-provider, median_ms, peak_mb where the script measures it, vs_best_baseline, torch, threads), appended to
-<out>/<device>.csv, and this run's rows are rendered as <out>/<device>.md (a table per op) and <out>/<device>_<op>.png
-(benchmarks.common.plot_bars).
+with --csv pointing at its per-op CSV under the output directory, --device where the script takes one and --quick in
+quick mode; its output goes to <out>/logs/<name>.log (in a full run: a temporary dir) and one progress line per
+benchmark is printed (under a tqdm bar on a terminal). The rows it appended are read back and mapped onto one column
+set (COLUMNS: op, case, shape, provider, median_ms, peak_mb where the script measures it, vs_best_baseline, torch,
+threads), appended to <out>/<device>.csv, and this run's rows are rendered as <out>/<device>.md (a table per op) and
+<out>/<device>_<op>.png (benchmarks.common.plot_bars).
 The output directory is benchmarks/results/ in a full run (the per-op CSVs there get this run's rows, as when the
 scripts run alone) and a fresh temporary directory in quick mode (unless --out), so smoke runs leave the committed
 results alone. vs_best_baseline = the provider's median ms / the fastest baseline's of the same op, case and shape,
@@ -138,6 +138,15 @@ def render(rows: list, out: Path, device: str) -> Path:
     return path
 
 
+def progress_bar(total: int):
+    """A tqdm bar over the benchmarks on an interactive terminal; None otherwise (a line per benchmark instead)."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="benchmark")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="every script's quick mode, into a temporary dir")
@@ -158,16 +167,24 @@ def main() -> None:
         todo = [b for b in todo if b.takes_device]
     print(f"{len(todo)} benchmarks, {'quick' if args.quick else 'full'} mode, commit {git_sha()}, output in {out}")
     rows, failed, started = [], [], time.perf_counter()
+    bar = progress_bar(len(todo))
     for i, bench in enumerate(todo, 1):
-        print(f"[{i}/{len(todo)}] {bench.name} ...", flush=True)
+        if bar is not None:
+            bar.set_description(bench.name)
+        else:
+            print(f"[{i}/{len(todo)}] {bench.name} ...", flush=True)
         t0 = time.perf_counter()
         new, rc = run_benchmark(bench, device=args.device, quick=args.quick, out=out, logs=logs)
         rows += new
         if rc != 0:
             failed.append(bench.name)
         status = f"{len(new)} rows" if rc == 0 else f"FAILED (exit {rc}, log {logs / bench.name}.log)"
-        print(f"[{i}/{len(todo)}] {bench.name}: {status} in {time.perf_counter() - t0:.0f} s "
-              f"(elapsed {time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
+        line = f"[{i}/{len(todo)}] {bench.name}: {status} in {time.perf_counter() - t0:.0f} s"
+        (bar.write if bar is not None else print)(f"{line} (elapsed {time.perf_counter() - started:.0f} s)")
+        if bar is not None:
+            bar.update()
+    if bar is not None:
+        bar.close()
     if rows:
         add_ratios(rows)
         append_csv(rows, out / f"{args.device}.csv", COLUMNS)

@@ -97,6 +97,14 @@ def status_kb(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
+def read_csv(path: Path) -> list:
+    """The rows of a CSV file as dicts; [] if the file does not exist."""
+    if not path.exists():
+        return []
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
 def append_csv(rows: list, path: Path, columns: list) -> None:
     """Append rows to the CSV at path, writing the header first if the file is new or empty."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -14,14 +14,13 @@ A table whose rows are missing from the results is an error, not an empty table.
 """
 
 import argparse
-import csv
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # importable from a plain checkout too
 
-from benchmarks.common import NOT_BASELINES
+from benchmarks.common import NOT_BASELINES, read_csv
 from grpo_kernels.theory import invalid_group_rate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,11 +91,6 @@ TABLES = [
           "TRL 1.16 already chunks its LM head over the vocabulary, so this is chunked against fused. Peak = "
           "memory above the inputs, fresh process per trainer."),
 ]  # fmt: skip
-
-
-def read_csv(path: Path) -> list:
-    with path.open(newline="") as f:
-        return list(csv.DictReader(f))
 
 
 def latest(rows: list) -> list:

@@ -23,7 +23,6 @@ into benchmarks/results/ then rewrites README.md's Performance section (benchmar
 """
 
 import argparse
-import csv
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # importable from 
 import torch
 
 from benchmarks import readme
-from benchmarks.common import NOT_BASELINES, RESULTS, ROOT, append_csv, git_sha, plot_bars
+from benchmarks.common import NOT_BASELINES, RESULTS, ROOT, append_csv, git_sha, plot_bars, read_csv
 
 COLUMNS = ["timestamp", "device", "git_sha", "benchmark", "op", "case", "shape", "provider", "median_ms", "peak_mb",
            "vs_best_baseline", "torch", "threads"]  # fmt: skip
@@ -82,17 +81,10 @@ BENCHMARKS = [Benchmark("advantages", True), Benchmark("logprobs", True), Benchm
               Benchmark("trl_dropin", False)]  # fmt: skip
 
 
-def read_rows(path: Path) -> list:
-    if not path.exists():
-        return []
-    with path.open(newline="") as f:
-        return list(csv.DictReader(f))
-
-
 def run_benchmark(bench: Benchmark, *, device: str, quick: bool, out: Path, logs: Path) -> tuple:
     """Run one script (its output to <logs>/<name>.log); returns (its new rows in the combined columns, exit code)."""
     csv_path = out / f"{bench.name}_{device}.csv"
-    before = len(read_rows(csv_path))
+    before = len(read_csv(csv_path))
     cmd = [sys.executable, str(bench.script), "--csv", str(csv_path)]
     cmd += (["--device", device] if bench.takes_device else []) + (["--quick"] if quick else [])
     log = logs / f"{bench.name}.log"
@@ -101,7 +93,7 @@ def run_benchmark(bench: Benchmark, *, device: str, quick: bool, out: Path, logs
     if rc != 0:
         print("".join(log.read_text().splitlines(keepends=True)[-15:]), end="")
         return [], rc
-    return [bench.common(r) for r in read_rows(csv_path)[before:]], rc
+    return [bench.common(r) for r in read_csv(csv_path)[before:]], rc
 
 
 def add_ratios(rows: list) -> None:

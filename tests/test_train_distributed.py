@@ -61,7 +61,8 @@ def test_one_and_two_fsdp_ranks_give_the_same_losses_and_weights(tmp_path):
     # rounding difference between the runs can flip its step. The key biases get no gradient at all in exact
     # arithmetic (softmax ignores a shift common to all keys): their update is rounding noise, not compared. In every
     # other tensor, at most 0.1% of the elements may differ by more than 2% of the update, and the mean difference is
-    # below 0.1% of the mean update; a real data-parallel bug (an unsynchronised or mis-scaled gradient) moves most.
+    # below 0.1% of the mean update: an unsynchronised gradient would move most elements (a mis-scaled one barely
+    # changes Adam's step; the grad_norm comparison above catches that).
     for k in w1:
         if k.endswith("k_proj.bias"):
             continue

@@ -56,13 +56,21 @@ class _SeededSampling(LogitsProcessor):
         return torch.full_like(scores, float("-inf")).scatter_(-1, token, 0.0)
 
 
-def row_seed(seed: int, member: int) -> int:
-    """A 63-bit seed for member j of the group drawn with seed (SplitMix64 of both), distinct across groups."""
+_GOLDEN = 0x9E3779B97F4A7C15  # SplitMix64's increment
+
+
+def splitmix64(z: int) -> int:
+    """SplitMix64's finalizer of z (mod 2^64), shifted to 63 bits: a well-mixed seed from a structured one."""
     mask = (1 << 64) - 1
-    z = (seed * 0x9E3779B97F4A7C15 + member + 1) & mask
+    z &= mask
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
     return (z ^ (z >> 31)) >> 1
+
+
+def row_seed(seed: int, member: int) -> int:
+    """A 63-bit seed for member j of the group drawn with seed, distinct across groups and members."""
+    return splitmix64(seed * _GOLDEN + member + 1)
 
 
 class HFSampler:

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from .sampler import Rollout
+from .sampler import Rollout, splitmix64
 
 __all__ = ["VLLMSampler", "save_hf_model"]
 
@@ -204,11 +204,7 @@ class VLLMSampler:
 
 def _request_seed(seed: int) -> int:
     """A 63-bit SplitMix64 hash of seed (vLLM seeds the n completions of a request with seed, seed + 1, ...)."""
-    mask = (1 << 64) - 1
-    z = (seed + 0x9E3779B97F4A7C15) & mask
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-    return (z ^ (z >> 31)) >> 1
+    return splitmix64(seed + 0x9E3779B97F4A7C15)
 
 
 def _ids(ids, what: str) -> torch.Tensor:

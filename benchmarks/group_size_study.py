@@ -2,6 +2,7 @@
 
     .venv/bin/grpo-kernels group-size-study [--quick] [--out DIR]
     .venv/bin/python benchmarks/group_size_study.py [--quick] [--out DIR]    # the same
+    .venv/bin/grpo-kernels group-size-study --model smollm2-135m             # on a real model: group_size_model.py
 
 Writes into DIR (default benchmarks/results/group_size_study/): summary.md, runs.csv and the PNGs below; the
 training runs themselves go to a temporary directory that is deleted afterwards.
@@ -47,8 +48,11 @@ from unittest import mock
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(REPO))
+for _path in (REPO, REPO / "benchmarks"):  # run as a script from anywhere; group_size_model beside it
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import group_size_model  # noqa: E402
 
 from grpo_kernels.advantages import group_advantages  # noqa: E402
 from grpo_kernels.theory import invalid_group_rate  # noqa: E402
@@ -295,7 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny budget, G in {2, 8} + adaptive (about a minute)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "group_size_study"))
     parser.add_argument("--theory-only", action="store_true", help="skip the training runs")
+    group_size_model.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.model is not None:  # a real model: pass rates and invalid groups, no training (group_size_model.py)
+        return group_size_model.run(args, Path(args.out))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

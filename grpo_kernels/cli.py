@@ -1,5 +1,6 @@
-"""Command line: `grpo-kernels demo` (also `python -m grpo_kernels.cli demo`, what `make demo` runs) and
-`grpo-kernels train [--config FILE | --resume RUN_DIR] [--section.field=value ...]` (grpo_kernels.train.trainer).
+"""Command line: `grpo-kernels demo` (also `python -m grpo_kernels.cli demo`, what `make demo` runs),
+`grpo-kernels train [--config FILE | --resume RUN_DIR] [--section.field=value ...]` (grpo_kernels.train.trainer) and
+`grpo-kernels prepare-model NAME [--out DIR]` (grpo_kernels.train.models).
 
 The demo scores a simulated GRPO batch (prompts of varying difficulty, G completions each, a correctness
 reward and a format reward), computes the advantages with the compiled kernel, checks them against the
@@ -69,6 +70,10 @@ def main(argv: list[str] | None = None) -> None:
     t = sub.add_parser("train", help="GRPO training (grpo_kernels.train); extra --section.field=value override")
     t.add_argument("--config", help="a TOML file (see grpo_kernels/train/config.py)")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint (its config.toml)")
+    pm = sub.add_parser("prepare-model", help="convert a known model (smollm2-135m) once into an HF directory")
+    pm.add_argument("name", help="a known model: " + ", ".join(_known_models()))
+    pm.add_argument("--out", metavar="DIR", help="where to write it (default: the cache, $GRPO_KERNELS_CACHE or "
+                    "~/.cache/grpo-kernels)")  # fmt: skip
     pl = sub.add_parser("plot", help="PNGs of a training run (reward, invalid groups vs theory, throughput)")
     pl.add_argument("run_dir")
     sub.add_parser("group-size-study", add_help=False, help="invalid groups, gradient noise and reward vs G "
@@ -92,6 +97,13 @@ def main(argv: list[str] | None = None) -> None:
             train(config)
         except (ValueError, NotImplementedError) as exc:  # one clear line, non-zero exit
             raise SystemExit(f"grpo-kernels train: error: {exc}") from None
+    elif args.command == "prepare-model":
+        from .train.models import prepare_model
+
+        try:
+            print(prepare_model(args.name, out=args.out))
+        except ValueError as exc:
+            raise SystemExit(f"grpo-kernels prepare-model: error: {exc}") from None
     elif args.command == "plot":
         from .train.plot import plot_run
 
@@ -102,6 +114,12 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"grpo-kernels plot: error: {exc}") from None
     elif args.command == "group-size-study":
         _load_benchmark("group_size_study").main(overrides)
+
+
+def _known_models() -> list:
+    from .train.models import KNOWN_MODELS
+
+    return list(KNOWN_MODELS)
 
 
 def _load_benchmark(name: str):

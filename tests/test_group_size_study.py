@@ -10,7 +10,7 @@ from grpo_kernels import cli
 PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "group_size_study.py"
 spec = importlib.util.spec_from_file_location("group_size_study", PATH)
 study = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(study)
+spec.loader.exec_module(study)  # also puts benchmarks/ on sys.path, for group_size_model
 
 
 def test_theory_reproduces_the_paper_figures():
@@ -50,3 +50,23 @@ def test_quick_study_end_to_end(tmp_path, capsys):
     assert "paper 41.1%, here 41.1%" in summary and "| G=2 |" in summary and "| adaptive 8->16 |" in summary
     assert not (tmp_path / "runs").exists()
     assert "wrote" in capsys.readouterr().out
+
+
+def test_model_study_prediction_is_unbiased_and_measurement_counts_disjoint_groups():
+    import math
+
+    import group_size_model as gm
+
+    for p in (0.0, 0.1, 0.37, 0.9):  # E over s ~ Binomial(K, p) of the estimate equals p^G + (1-p)^G exactly
+        for k, g in ((8, 2), (32, 8), (32, 32)):
+            mean = sum(math.comb(k, s) * p**s * (1 - p) ** (k - s) * gm.unbiased_invalid(s, k, g) for s in range(k + 1))
+            assert abs(mean - (p**g + (1 - p) ** g)) < 1e-12
+    assert gm.measured_invalid([True, True, False, True, False, False, True], 2) == 2 / 3  # the 7th is left over
+    rows = [{"successes_a": 4, "outcomes_b": [True] * 4 + [False] * 4}, {"successes_a": 0, "outcomes_b": [False] * 8}]
+    table = {r["G"]: r for r in gm.compare(rows, k=8)}
+    assert set(table) == {2, 4, 8}
+    assert table[4]["measured"] == 1.0 and table[8]["measured"] == 0.5
+    assert abs(table[2]["predicted"] - (2 * math.comb(4, 2) / math.comb(8, 2) + 1) / 2) < 1e-12
+    assert table[2]["naive"] == 0.25**2 + 0.75**2
+    assert [label for label, _ in gm.histogram([0.0, 0.5, 1.0])][0] == "p = 0"
+    assert sum(count for _, count in gm.histogram([0.0, 0.01, 0.05, 0.5, 0.96, 1.0])) == 6

@@ -171,6 +171,8 @@ BAD_OVERRIDES = [
     (["task.name=jsonl"], "task.path"),
     (["task.path=data.jsonl"], "task.path must be none for the built-in task"),
     (["task.difficulty=11"], "task.difficulty"),
+    (["task.chat_template=yes"], "task.chat_template must be one of 'auto', 'on', 'off', got 'yes'"),
+    (["task.chat_template=off", "task.system_prompt=Be brief."], 'task.system_prompt must be none when task.chat_'),
     (["group_size.adaptive=true", "group_size.max_group_size=4"], "group_size.max_group_size must be >= sampling"),
     (["model.head_dim=16"], "model.head_dim must be >= 32, got 16"),
     (["model.num_kv_heads=3"], "model.num_kv_heads"),

@@ -70,6 +70,48 @@ def test_jsonl_loader_and_its_errors(tmp_path):
         make_task("jsonl")
 
 
+def test_jsonl_accepts_trl_conversational_prompts(tmp_path):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"prompt": messages, "answer": 2}) + "\n")
+    (example,) = load_jsonl(path)
+    assert example.prompt == tuple(messages) and example.answer == "2"
+    for bad in ([], [{"role": "user"}], [{"role": "user", "content": 3}], {"role": "user", "content": "x"}, 7):
+        path.write_text(json.dumps({"prompt": bad, "answer": "2"}) + "\n")
+        with pytest.raises(ValueError, match=r"chat.jsonl:1: \"prompt\" must be a string or a non-empty list of"):
+            load_jsonl(path)
+    with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
+        CharTokenizer().encode_prompt(tuple(messages))
+    assert CharTokenizer().encode_prompt("1+1=") == CharTokenizer().encode("1+1=", bos=True)
+
+
+def test_arith_task_rewards_correctness_plus_a_format_bonus():
+    task = make_task("arith", difficulty=1)
+    examples = task.examples(300, seed=3)
+    assert examples == task.examples(300, seed=3)
+    for e in examples:
+        expr = e.prompt.removeprefix("What is ").removesuffix("? Reply with only the number.")
+        a, op, b = expr.split(" ")
+        assert op == "+" and 0 <= int(a) <= 9 and 0 <= int(b) <= 9 and int(a) + int(b) == int(e.answer)
+    e = examples[0]
+    bonus = task.FORMAT_WEIGHT
+    assert task.reward(e.answer, e) == 1.0 + bonus and task.reward(f" {e.answer}.\n", e) == 1.0 + bonus
+    assert task.reward(f"The answer is {e.answer}.", e) == 1.0 and task.correct(f"= {e.answer}", e) == 1.0
+    assert task.reward(f"{e.answer} or {int(e.answer) + 1}", e) == 0.0  # the last number counts
+    assert task.reward(str(int(e.answer) + 1), e) == bonus and task.correct(str(int(e.answer) + 1), e) == 0.0
+    assert task.reward("", e) == 0.0 and task.reward("I do not know", e) == 0.0
+    harder = make_task("arith", difficulty=4).examples(300, seed=0)
+    assert any(" - " in e.prompt for e in harder) and all(e.prompt.count(" ") >= 8 for e in harder)
+    assert all(int(e.answer) >= 0 for e in harder) and max(len(e.answer) for e in harder) >= 4
+    for e in harder:
+        expr = e.prompt.removeprefix("What is ").removesuffix("? Reply with only the number.")
+        tokens = expr.split(" ")
+        total = int(tokens[0])
+        for op, t in zip(tokens[1::2], tokens[2::2], strict=True):
+            total = total + int(t) if op == "+" else total - int(t)
+        assert str(total) == e.answer
+
+
 def test_tiny_model_runs_packed_and_rejects_small_heads():
     tok = CharTokenizer()
     model = tiny_model(tok.vocab_size)

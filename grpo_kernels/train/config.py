@@ -55,7 +55,7 @@ __all__ = [
     "to_dict",
 ]  # fmt: skip
 
-TASK_NAMES = ("reverse", "add", "jsonl")
+TASK_NAMES = ("reverse", "add", "arith", "jsonl")
 _NONE = ("none", "null")
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
@@ -152,7 +152,8 @@ class ModelConfig:
     section: ClassVar[str] = "model"
 
     name: str = "tiny"
-    """Either "tiny" (the built-in random-init decoder, `tasks.tiny_model`) or a local HF model directory."""
+    """"tiny" (the built-in random-init decoder, `tasks.tiny_model`), a known model ("smollm2-135m": converted once
+    into a cache by `grpo-kernels prepare-model`, see grpo_kernels.train.models) or a local HF model directory."""
     hidden_size: int = 128
     """Hidden size of the tiny decoder (the sizes below apply to "tiny" only; an HF model brings its own)."""
     num_layers: int = 2
@@ -182,7 +183,8 @@ class TaskConfig:
     section: ClassVar[str] = "task"
 
     name: str = "reverse"
-    """The task: "reverse", "add" (built in, generated) or "jsonl" (prompt/answer lines from `path`)."""
+    """The task: "reverse", "add" (built in, for the tiny model's characters), "arith" (built in, questions in English
+    for instruction-tuned models, with a format reward) or "jsonl" (prompt/answer lines from `path`)."""
     difficulty: int = 1
     """Difficulty of a built-in task, 1..10 (ignored by "jsonl")."""
     path: str | None = None
@@ -198,12 +200,21 @@ class TaskConfig:
     """Seed of the prompt generator and of the train/eval split."""
     sft_warmup_steps: int = 0
     """Supervised steps on the reference answers before GRPO (0 = none)."""
+    chat_template: str = "auto"
+    """Prompts through the tokenizer's chat template: "on", "off" (plain text after a bos) or "auto" (on when the
+    tokenizer has a chat template: HF instruction-tuned models; off for the built-in character tokenizer).
+    Conversational JSONL prompts need it on."""
+    system_prompt: str | None = None
+    """A system message before every prompt (needs the chat template); None = the template's own default."""
 
     def __post_init__(self):
         _validate(
             self, at_least={"num_train_prompts": 1, "num_eval_prompts": 0, "sft_warmup_steps": 0},
-            choices={"name": TASK_NAMES, "reward": ("exact", "numeric", "math_verify")},
+            choices={"name": TASK_NAMES, "reward": ("exact", "numeric", "math_verify"),
+                     "chat_template": ("auto", "on", "off")},
         )  # fmt: skip
+        if self.system_prompt is not None:
+            _check(self, "system_prompt", self.chat_template != "off", 'none when task.chat_template is "off"')
         _check(self, "difficulty", 1 <= self.difficulty <= 10, "in 1..10")
         if self.name == "jsonl":
             _check(self, "path", self.path not in (None, ""), 'a JSONL file path when task.name is "jsonl"')

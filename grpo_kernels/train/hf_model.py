@@ -3,6 +3,7 @@ interface, and a writer of the built-in tiny model as such a directory.
 
     model, tok = load_policy("/models/Qwen2.5-0.5B", dtype="bfloat16")
     ids = tok.encode("12+30=", bos=True)          # as CharTokenizer: encode/decode, eos_id, pad_id, bos_id, vocab_size
+    ids = tok.encode_prompt("What is 12+30?")     # the chat template's ids when tok.chat_template is on
 
 Design:
 - Local only. The path must be an existing directory and every transformers call passes local_files_only=True, so
@@ -10,9 +11,14 @@ Design:
 - Errors are ValueErrors of one line that name the problem (the CLI prints them as `grpo-kernels train: error: ...`);
   the exception transformers raised, often many lines long, stays attached as __cause__. A checkpoint that lacks
   some of the model's weights is an error too, where transformers would initialise them at random and go on.
-- No chat template and none of the tokenizer's automatic special tokens: a prompt is encoded exactly as given, with a
-  bos/eos only when asked for (and bos only when the tokenizer has one: Qwen's has none). Instruction-tuned models
-  therefore see raw text, like the built-in tasks' "12+30=".
+- `encode` adds none of the tokenizer's automatic special tokens: text is encoded exactly as given, with a bos/eos
+  only when asked for (and bos only when the tokenizer has one: Qwen's has none). Prompts go through `encode_prompt`:
+  with `chat_template=True` (the trainer's default for a tokenizer that has one) a prompt, plain text or a list of
+  {"role", "content"} messages (TRL's conversational form), becomes the tokenizer's own
+  `apply_chat_template(messages, add_generation_prompt=True)` ids, after an optional system message; without it, a
+  plain-text prompt is encoded as is after a bos.
+- Completions end at any of `stop_ids`: the tokenizer's eos and every eos id the model's generation config names
+  (instruction-tuned models often end a turn with a token that is not the tokenizer's eos).
 - `write_tiny_checkpoint` saves `tasks.tiny_model` with a `tokenizers` tokenizer that gives CharTokenizer's ids, so
   the HF path loads the same model and tokenizer as model.name = "tiny": tests and examples use it with no download.
 """
@@ -42,20 +48,38 @@ def _first_line(exc: BaseException) -> str:
 
 
 class HFTokenizer:
-    """A transformers tokenizer with CharTokenizer's interface.
+    """A transformers tokenizer with CharTokenizer's interface, plus chat templates.
 
-    `encode` adds no special tokens of its own and applies no chat template; `decode` stops at the first eos and
-    skips special tokens. `pad_id` is the eos id when the tokenizer has no pad token; `bos_id` may be None.
-    `vocab_size` is len(tokenizer): the rows the model's embedding must have at least (models often have more).
+    `encode` adds no special tokens of its own and applies no chat template; `encode_prompt` applies the chat template
+    when `chat_template` is true; `decode` stops at the first stop id and skips special tokens. `pad_id` is the eos id
+    when the tokenizer has no pad token; `bos_id` may be None. `vocab_size` is len(tokenizer): the rows the model's
+    embedding must have at least (models often have more). `stop_ids`: eos first, then `extra_stop_ids`.
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, *, chat_template: bool = False, system_prompt: str | None = None,
+                 extra_stop_ids=()):  # fmt: skip
         if tokenizer.eos_token_id is None:
             raise ValueError(f"the tokenizer of {tokenizer.name_or_path} has no eos token (completions end with one)")
         self.tokenizer = tokenizer
         self.eos_id = tokenizer.eos_token_id
         self.bos_id = tokenizer.bos_token_id
         self.pad_id = self.eos_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+        self.stop_ids = tuple(dict.fromkeys([self.eos_id, *(int(i) for i in extra_stop_ids)]))
+        self.chat_template, self.system_prompt = False, None
+        self.set_prompt_format(chat_template=chat_template, system_prompt=system_prompt)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def set_prompt_format(self, *, chat_template: bool, system_prompt: str | None = None) -> None:
+        """Use the chat template for prompts (ValueError when the tokenizer has none), with an optional system
+        message; a system prompt needs the chat template."""
+        if chat_template and not self.has_chat_template:
+            raise ValueError(f"the tokenizer of {self.tokenizer.name_or_path} has no chat template")
+        if system_prompt is not None and not chat_template:
+            raise ValueError("a system prompt needs the chat template")
+        self.chat_template, self.system_prompt = bool(chat_template), system_prompt
 
     @property
     def vocab_size(self) -> int:
@@ -70,16 +94,40 @@ class HFTokenizer:
         head = [self.bos_id] if bos and self.bos_id is not None else []
         return head + ids + [self.eos_id] * eos
 
+    def encode_prompt(self, prompt) -> list[int]:
+        """Token ids of a prompt: plain text, or a list of {"role", "content"} messages (needs the chat template).
+
+        With the chat template: [system message] + (the messages, or one user message holding the text), rendered
+        with add_generation_prompt=True, exactly the ids of the tokenizer's `apply_chat_template`. Without it: bos +
+        the text."""
+        if not self.chat_template:
+            if not isinstance(prompt, str):
+                raise ValueError("a conversational prompt (a list of messages) needs the chat template; the tokenizer "
+                                 f"of {self.tokenizer.name_or_path} is set to plain text")  # fmt: skip
+            return self.encode(prompt, bos=True)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if self.system_prompt is not None:
+            messages = [{"role": "system", "content": self.system_prompt}] + messages
+        try:
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # jinja errors (a role the template rejects, ...)
+            raise ValueError(f"the chat template cannot render {messages!r:.80}: {_first_line(exc)}") from exc
+        ids = out["input_ids"] if hasattr(out, "keys") else out  # transformers 5 returns a BatchEncoding
+        return [int(i) for i in ids]
+
     def decode(self, ids) -> str:
-        """Text of ids up to the first eos, special tokens skipped, spaces left exactly as tokenized."""
+        """Text of ids up to the first stop id, special tokens skipped, spaces left exactly as tokenized."""
         ids = [int(i) for i in ids]
-        if self.eos_id in ids:
-            ids = ids[: ids.index(self.eos_id)]
+        ends = [k for k, i in enumerate(ids) if i in self.stop_ids]
+        if ends:
+            ids = ids[: ends[0]]
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
 def load_policy(path, *, dtype="float32", attn_implementation: str = HF_ATTENTION_NAME):
     """(model, HFTokenizer) of the HF causal LM in the local directory `path`; the model in eval mode, as loaded.
+    The tokenizer's stop_ids are its eos and the eos ids of the model's generation config; it encodes prompts as
+    plain text until `set_prompt_format(chat_template=True)`.
 
     Args:
         dtype: parameter dtype, "float32", "bfloat16" or "float16" (or the torch dtype).
@@ -117,7 +165,17 @@ def load_policy(path, *, dtype="float32", attn_implementation: str = HF_ATTENTIO
     if tokenizer.vocab_size > rows:
         raise ValueError(f"the tokenizer in {directory} has {tokenizer.vocab_size} tokens but the model's embedding "
                          f"only {rows} rows")  # fmt: skip
+    tokenizer.stop_ids = tuple(dict.fromkeys([tokenizer.eos_id, *_generation_eos_ids(model)]))
     return model, tokenizer
+
+
+def _generation_eos_ids(model) -> list[int]:
+    """The eos ids of the model's generation config (an int, a list, or None)."""
+    config = getattr(model, "generation_config", None)
+    ids = getattr(config, "eos_token_id", None)
+    if ids is None:
+        return []
+    return [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
 
 
 def _torch_dtype(dtype) -> torch.dtype:

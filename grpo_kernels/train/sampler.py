@@ -77,10 +77,12 @@ class HFSampler:
     """Batched `generate` on a local HF model."""
 
     def __init__(self, model, *, eos_id: int, pad_id: int, max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, max_batch_rows: int = 256):  # fmt: skip
+                 top_p: float = 1.0, max_batch_rows: int = 256, stop_ids=()):  # fmt: skip
+        """A completion ends at eos_id or any of stop_ids (kept as its last token), or after max_new_tokens."""
         if max_batch_rows < 1:
             raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
         self.model, self.eos_id, self.pad_id = model, eos_id, pad_id
+        self.stop_ids = list(dict.fromkeys([eos_id, *(int(i) for i in stop_ids)]))
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.max_batch_rows = max_batch_rows
 
@@ -109,7 +111,7 @@ class HFSampler:
                     new, lp = self._generate(torch.stack([prompts[k] for k, _ in batch]),
                                              [row_seed(seeds[k], j) for k, j in batch])  # fmt: skip
                     for i, row in enumerate(batch):
-                        ends = (new[i] == self.eos_id).nonzero()
+                        ends = torch.isin(new[i], torch.tensor(self.stop_ids)).nonzero()
                         n = int(ends[0]) + 1 if ends.numel() else new.shape[1]
                         completions[row], logps[row] = new[i, :n].clone(), lp[i, :n].clone()
         finally:
@@ -124,7 +126,7 @@ class HFSampler:
         device = self.model.device
         generators = [torch.Generator(device=device).manual_seed(s) for s in row_seeds]
         config = GenerationConfig(max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=self.pad_id,
-                                  eos_token_id=self.eos_id, output_logits=True, return_dict_in_generate=True,
+                                  eos_token_id=self.stop_ids, output_logits=True, return_dict_in_generate=True,
                                   use_cache=True)  # fmt: skip
         out = self.model.generate(ids.to(device), generation_config=config,
                                   logits_processor=LogitsProcessorList([_SeededSampling(generators, self.temperature,

@@ -160,7 +160,7 @@ def sft_warmup(model, tokenizer, task, *, steps: int, batch_size: int = 32, lr: 
     losses = []
     for step in range(steps):
         examples = task.examples(batch_size, seed=seed * 1_000_003 + step)
-        prompts = [tokenizer.encode(e.prompt, bos=True) for e in examples]
+        prompts = [tokenizer.encode_prompt(e.prompt) for e in examples]
         answers = [tokenizer.encode(e.answer, eos=True) for e in examples]
         packed = pack_sequences(prompts, answers)
         h = model.base_model(**packed.model_kwargs()).last_hidden_state[0][packed.logit_rows]

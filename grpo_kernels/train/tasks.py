@@ -2,27 +2,38 @@
 
     reverse   "reverse:abcd=" -> "dcba"          difficulty d: d + 1 .. 2d + 1 letters
     add       "37+405=" -> "442"                  difficulty d: operands of 1 .. d digits
-    jsonl     {"prompt": ..., "answer": ...} lines from a file, for real models and tokenizers
+    arith     "What is 7 + 5? Reply with only the number." -> "12"   for chat models; a format reward on top
+    jsonl     {"prompt": ..., "answer": ...} lines from a file, for real models and tokenizers; the prompt is text
+              or TRL's conversational form, a list of {"role", "content"} messages
 
-Rewards are binary (1.0 for a correct answer, else 0.0): exact match after stripping whitespace, or numeric
-equality for numbers; `math_verify` is used for the JSONL task when installed and asked for. Everything is
-deterministic given a seed (`random.Random`), so a resumed run sees the same prompts.
+Rewards are binary (1.0 for a correct answer, else 0.0; "arith" adds a format bonus): exact match after stripping
+whitespace, or numeric equality for numbers; `math_verify` is used for the JSONL task when installed and asked for.
+Everything is deterministic given a seed (`random.Random`), so a resumed run sees the same prompts.
 """
 
 import json
 import random
+import re
 import string
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CharTokenizer", "Example", "Task", "exact_match", "load_jsonl", "make_task", "numeric_match", "tiny_model"]
+__all__ = [
+    "ArithTask", "CharTokenizer", "Example", "Task", "exact_match", "load_jsonl", "make_task", "numeric_match",
+    "tiny_model",
+]  # fmt: skip
+
+
+_INT = re.compile(r"-?\d+")
+_WHOLE_INT = re.compile(r"-?\d+\.?")
 
 
 @dataclass(frozen=True, slots=True)
 class Example:
     """One prompt with its reference answer."""
 
-    prompt: str
+    prompt: str | tuple
+    """Plain text, or a conversation: a tuple of {"role", "content"} dicts (rendered by the chat template)."""
     answer: str
 
 
@@ -47,6 +58,20 @@ class CharTokenizer:
         if bad:
             raise ValueError(f"characters {bad} are not in the tokenizer's alphabet {self.ALPHABET!r}")
         return [self.bos_id] * bos + [self._ids[c] for c in text] + [self.eos_id] * eos
+
+    @property
+    def stop_ids(self) -> tuple:
+        return (self.eos_id,)
+
+    has_chat_template = False
+    chat_template = False
+
+    def encode_prompt(self, prompt) -> list[int]:
+        """<bos> + the prompt's ids (plain text only: a character tokenizer has no chat template)."""
+        if not isinstance(prompt, str):
+            raise ValueError("a conversational prompt (a list of messages) needs a tokenizer with a chat template; "
+                             "the built-in character tokenizer has none")  # fmt: skip
+        return self.encode(prompt, bos=True)
 
     def decode(self, ids) -> str:
         """Text of ids up to the first <eos>; <pad>/<bos> are dropped."""
@@ -91,6 +116,10 @@ class Task:
     def reward(self, completion: str, example: Example) -> float:
         return exact_match(completion, example.answer)
 
+    def correct(self, completion: str, example: Example) -> float:
+        """1.0 when the completion answers correctly (held-out success); the reward itself unless it adds a bonus."""
+        return self.reward(completion, example)
+
 
 class ReverseTask(Task):
     """Reverse a string of lowercase letters: multi-token answers whose length grows with the difficulty."""
@@ -114,6 +143,39 @@ class AddTask(Task):
 
     def reward(self, completion, example):
         return numeric_match(completion, example.answer)
+
+
+class ArithTask(Task):
+    """Arithmetic questions in English for instruction-tuned models, with a required answer format.
+
+    "What is 7 + 5? Reply with only the number." Difficulty d: operands of 1 .. d digits; from d = 2 on, subtraction
+    too (a result never below 0); from d = 4 on, a third operand. Reward: `correct` (1.0 when the last integer in the
+    completion is the answer) plus FORMAT_WEIGHT when the whole completion is that one integer, so a model that
+    rambles is pushed towards the asked-for form. Held-out success is `correct` alone. The difficulty sets the base
+    model's pass rate: at temperature 0.7, SmolLM2-135M-Instruct solves single-digit sums about 40 % of the time,
+    almost never in the asked-for form.
+    """
+
+    name = "arith"
+    FORMAT_WEIGHT = 0.2
+    INSTRUCTION = "Reply with only the number."
+
+    def example(self, rng):
+        d = self.difficulty
+        terms = [rng.randint(0, 10 ** rng.randint(1, min(d, 9)) - 1) for _ in range(3 if d >= 4 else 2)]
+        expr, total = str(terms[0]), terms[0]
+        for t in terms[1:]:
+            op = "-" if d >= 2 and t <= total and rng.random() < 0.5 else "+"
+            expr, total = f"{expr} {op} {t}", total - t if op == "-" else total + t
+        return Example(prompt=f"What is {expr}? {self.INSTRUCTION}", answer=str(total))
+
+    def correct(self, completion, example):
+        numbers = _INT.findall(completion.replace(",", ""))
+        return float(bool(numbers) and int(numbers[-1]) == int(example.answer))
+
+    def reward(self, completion, example):
+        formatted = _WHOLE_INT.fullmatch(completion.strip()) is not None
+        return self.correct(completion, example) + self.FORMAT_WEIGHT * formatted
 
 
 class JsonlTask(Task):
@@ -145,11 +207,11 @@ class JsonlTask(Task):
         return exact_match(completion, example.answer)
 
 
-TASKS = {"reverse": ReverseTask, "add": AddTask}
+TASKS = {"reverse": ReverseTask, "add": AddTask, "arith": ArithTask}
 
 
 def make_task(name: str, *, difficulty: int = 1, path=None, reward: str = "exact") -> Task:
-    """A built-in task ("reverse", "add") at a difficulty, or "jsonl" from `path`."""
+    """A built-in task ("reverse", "add", "arith") at a difficulty, or "jsonl" from `path`."""
     if name == "jsonl":
         if path is None:
             raise ValueError("task 'jsonl' needs a path")
@@ -176,10 +238,23 @@ def load_jsonl(path) -> list[Example]:
         missing = [k for k in ("prompt", "answer") if not isinstance(row, dict) or k not in row]
         if missing:
             raise ValueError(f"{path}:{number}: missing key(s) {missing}")
-        out.append(Example(prompt=str(row["prompt"]), answer=str(row["answer"])))
+        out.append(Example(prompt=_prompt(row["prompt"], f"{path}:{number}"), answer=str(row["answer"])))
     if not out:
         raise ValueError(f"{path}: no examples")
     return out
+
+
+def _prompt(value, where: str):
+    """A JSONL prompt: text, or TRL's conversational form (a non-empty list of {"role", "content"} strings)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(
+        isinstance(m, dict) and set(m) == {"role", "content"} and all(isinstance(v, str) for v in m.values())
+        for m in value
+    ):
+        return tuple({"role": m["role"], "content": m["content"]} for m in value)
+    raise ValueError(f'{where}: "prompt" must be a string or a non-empty list of {{"role": str, "content": str}} '
+                     f"messages, got {json.dumps(value)[:80]}")  # fmt: skip
 
 
 def tiny_model(vocab_size: int, *, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,

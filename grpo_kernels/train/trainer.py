@@ -44,12 +44,14 @@ def _seed(*parts: int) -> int:
     return out % 2**63
 
 
-def _sample(sampler, tok, task, examples, g: int, seeds: list, d: Dist):
+def _sample(sampler, tok, task, examples, g: int, seeds: list, d: Dist, *, score=None):
     """(Rollout, rewards) of G samples of every example, in the examples' order: rank r samples the examples
-    r, r + world, ... and every rank receives the whole result."""
+    r, r + world, ... and every rank receives the whole result. score(completion, example): task.reward unless
+    given."""
+    score = score or task.reward
     mine = list(range(d.rank, len(examples), d.world))
-    r = sampler.sample([tok.encode(examples[k].prompt, bos=True) for k in mine], g, seeds=[seeds[k] for k in mine])
-    rewards = [task.reward(tok.decode(c), examples[mine[i // g]]) for i, c in enumerate(r.completion_ids)]
+    r = sampler.sample([tok.encode_prompt(examples[k].prompt) for k in mine], g, seeds=[seeds[k] for k in mine])
+    rewards = [score(tok.decode(c), examples[mine[i // g]]) for i, c in enumerate(r.completion_ids)]
     groups = {}
     for ks, part, rew in all_gather_objects((mine, r, rewards), d):
         for j, k in enumerate(ks):
@@ -60,10 +62,11 @@ def _sample(sampler, tok, task, examples, g: int, seeds: list, d: Dist):
 
 
 def evaluate(sampler, tok, task, examples, *, seed: int, d: Dist = SINGLE) -> float:
-    """Success rate of one sampled answer per held-out prompt."""
+    """Success rate (`task.correct`) of one sampled answer per held-out prompt."""
     if not examples:
         return float("nan")
-    _, rewards = _sample(sampler, tok, task, examples, 1, [_seed(seed, k) for k in range(len(examples))], d)
+    _, rewards = _sample(sampler, tok, task, examples, 1, [_seed(seed, k) for k in range(len(examples))], d,
+                         score=task.correct)  # fmt: skip
     return sum(rewards) / len(rewards)
 
 
@@ -134,11 +137,20 @@ def _build(config: TrainConfig):
                            attn_implementation=m.attn_implementation, seed=config.seed)  # fmt: skip
     else:
         from .hf_model import load_policy
+        from .models import resolve_model
 
-        model, tok = load_policy(m.name, dtype="float32", attn_implementation=m.attn_implementation)
+        path = resolve_model(m.name) or m.name
+        model, tok = load_policy(path, dtype="float32", attn_implementation=m.attn_implementation)
+    chat = {"on": True, "off": False, "auto": tok.has_chat_template}[t.chat_template]
+    if chat and not tok.has_chat_template:
+        raise ValueError(f'task.chat_template is "on" but the tokenizer of {m.name} has no chat template')
+    if t.system_prompt is not None and not chat:
+        raise ValueError(f"task.system_prompt needs the chat template, and the tokenizer of {m.name} has none")
+    if chat:
+        tok.set_prompt_format(chat_template=True, system_prompt=t.system_prompt)
     train_set = task.examples(t.num_train_prompts, seed=t.seed)
     eval_set = task.examples(t.num_eval_prompts, seed=t.seed + 1)
-    longest = max(len(tok.encode(e.prompt, bos=True)) for e in train_set + eval_set)
+    longest = max(len(tok.encode_prompt(e.prompt)) for e in train_set + eval_set)
     need = longest + config.sampling.max_new_tokens
     if need > config.packing.token_budget:
         raise ValueError(f"packing.token_budget ({config.packing.token_budget}) is smaller than the longest "
@@ -156,13 +168,15 @@ def _sampler(config: TrainConfig, model, tok, d: Dist):
     s = config.sampling
     if s.sampler == "hf":
         return HFSampler(copy.deepcopy(model) if d.distributed else model, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                         stop_ids=tok.stop_ids,
                          max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                          max_batch_rows=s.hf_max_batch_rows)  # fmt: skip
     from .vllm_sampler import VLLMSampler, save_hf_model
 
     with tempfile.TemporaryDirectory(prefix="grpo-sampler-") as directory:  # vLLM loads from a directory
         save_hf_model(model, directory)
-        return VLLMSampler(directory, eos_id=tok.eos_id, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+        return VLLMSampler(directory, eos_id=tok.eos_id, stop_ids=tok.stop_ids, max_new_tokens=s.max_new_tokens,
+                           temperature=s.temperature,
                            top_p=s.top_p, gpu_memory_utilization=s.vllm_gpu_memory_utilization,
                            dtype="bfloat16" if config.model.dtype == "bfloat16" else "float32",
                            external_launcher=d.distributed)  # fmt: skip

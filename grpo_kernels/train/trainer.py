@@ -127,7 +127,8 @@ def _schedule(config: TrainConfig):
 
 
 def _build(config: TrainConfig):
-    """Tokenizer, task, train/eval examples and the model; checks the data against the budget. Writes nothing."""
+    """Tokenizer, task, train/eval examples and the model; checks the data against the budget. Writes nothing but
+    the model cache (a known model such as "smollm2-135m" is converted there on first use)."""
     t, m = config.task, config.model
     task = make_task(t.name, difficulty=t.difficulty, path=t.path, reward=t.reward)
     if m.name == "tiny":
@@ -243,7 +244,7 @@ def train(config: TrainConfig, *, log=print) -> dict:
         log(f"resumed from {checkpoint} at step {first}")
     else:
         start_eval = evaluate(sampler, tok, task, eval_set, seed=config.seed + 7, d=d)
-        log(f"held-out success before RL: {start_eval:.3f}")
+        log(f"held-out success before RL: {_with_se(start_eval, len(eval_set))}")
     if d.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, run_dir / "config.toml")
@@ -321,11 +322,14 @@ def train(config: TrainConfig, *, log=print) -> dict:
     if writer is not None:
         writer.close()
     final_eval = evaluate(sampler, tok, task, eval_set, seed=config.seed + 7, d=d)
-    summary = {"eval_success_start": start_eval, "eval_success_end": final_eval, "steps": o.steps,
+    summary = {"eval_success_start": start_eval, "eval_success_end": final_eval, "eval_prompts": len(eval_set),
+               "eval_success_se_start": _se(start_eval, len(eval_set)),
+               "eval_success_se_end": _se(final_eval, len(eval_set)), "steps": o.steps,
                "group_size": s.group_size, "world_size": d.world, "seconds": time.perf_counter() - started}  # fmt: skip
     if d.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    log(f"held-out success after {o.steps} steps: {final_eval:.3f} (was {start_eval:.3f})")
+    log(f"held-out success after {o.steps} steps: {_with_se(final_eval, len(eval_set))} "
+        f"(was {_with_se(start_eval, len(eval_set))}; ± one binomial standard error)")
     if d.distributed:
         torch.distributed.barrier()
     if s.sampler == "vllm":
@@ -333,6 +337,15 @@ def train(config: TrainConfig, *, log=print) -> dict:
     if d.distributed and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return summary
+
+
+def _se(rate: float, n: int) -> float:
+    """Binomial standard error of a success rate measured on n prompts (nan without prompts)."""
+    return math.sqrt(rate * (1 - rate) / n) if n else float("nan")
+
+
+def _with_se(rate: float, n: int) -> str:
+    return f"{rate:.3f} ± {_se(rate, n):.3f}" if n else "n/a (no held-out prompts)"
 
 
 def _progress(total: int, done: int, *, enabled: bool):

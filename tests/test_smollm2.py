@@ -90,6 +90,27 @@ def test_a_damaged_gguf_is_one_error_line_and_leaves_no_directory(damage, tmp_pa
     assert not out.exists() and not (out.parent.exists() and any(out.parent.iterdir()))
 
 
+def test_a_killed_conversion_leaves_nothing_that_loads_and_the_next_prepare_removes_it(tmp_path, monkeypatch):
+    out = tmp_path / "cache" / NAME
+    out.parent.mkdir(parents=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    abandoned = out.parent / f".{NAME}.partial-{int(dead.stdout)}-x"  # as a conversion killed mid-way leaves it
+    abandoned.mkdir()
+    (abandoned / "config.json").write_text("{}")
+    mine = out.parent / f".{NAME}.partial-{os.getpid()}-y"  # a conversion still running (this process)
+    mine.mkdir()
+
+    def killed(gguf, directory, **_):
+        (directory / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(models, "_convert", killed)
+    with pytest.raises(KeyboardInterrupt):
+        models.prepare_model(NAME, out=out)
+    assert not out.exists() and not abandoned.exists() and mine.exists()
+    assert sorted(p.name for p in out.parent.iterdir()) == [mine.name]
+
+
 def test_missing_packages_are_named_with_the_install_command(tmp_path, monkeypatch):
     real = models.find_spec
     monkeypatch.setattr(models, "find_spec", lambda name: None if name == SPEC.module else real(name))
@@ -105,7 +126,8 @@ def test_missing_packages_are_named_with_the_install_command(tmp_path, monkeypat
 
 def test_an_unwritable_cache_or_a_foreign_directory_is_one_error_line(tmp_path):
     (tmp_path / "file").write_text("")
-    with pytest.raises(ValueError, match=r"cannot write the model cache \S+file: Not a directory") as info:
+    unwritable = r"cannot write the model cache \S+/file: (File exists|Not a directory) \(set GRPO_KERNELS_CACHE"
+    with pytest.raises(ValueError, match=unwritable) as info:
         models.prepare_model(NAME, out=tmp_path / "file" / NAME)
     assert "\n" not in str(info.value)
     (tmp_path / "other").mkdir()

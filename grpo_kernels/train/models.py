@@ -12,7 +12,8 @@ takes the state dict and saves as a plain fp32 checkpoint (517 MB), which every 
 
 Safety: the GGUF is checked against its known size and sha256 first (a truncated or corrupt file is one error line),
 the directory is written under a temporary name beside the target and renamed when complete, and the completed
-directory holds a marker file: a killed conversion never leaves a directory that a later run would load. Errors are
+directory holds a marker file: a killed conversion never leaves a directory that a later run would load (the next
+prepare deletes what it left). Errors are
 ValueErrors of one line naming the cause (a missing package and how to install it, the damaged file, the cache that
 cannot be written); the cache is $GRPO_KERNELS_CACHE, else $XDG_CACHE_HOME/grpo-kernels, else ~/.cache/grpo-kernels.
 """
@@ -94,7 +95,8 @@ def prepare_model(name: str, *, out=None, progress: bool | None = None) -> Path:
     _check_file(gguf, spec)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+        _remove_abandoned(target)
+        partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=target.parent))
     except OSError as exc:
         raise ValueError(f"cannot write the model cache {target.parent}: {exc.strerror or exc} (set GRPO_KERNELS_CACHE "
                          "or pass --out)") from exc  # fmt: skip
@@ -111,6 +113,24 @@ def prepare_model(name: str, *, out=None, progress: bool | None = None) -> Path:
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return target
+
+
+def _remove_abandoned(target: Path) -> None:
+    """Delete the partial directories of `target` left by conversions whose process is gone (killed mid-way)."""
+    for path in target.parent.glob(f".{target.name}.partial-*"):
+        pid = path.name.removeprefix(f".{target.name}.partial-").partition("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _known(name: str) -> KnownModel:

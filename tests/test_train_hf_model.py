@@ -156,3 +156,24 @@ def test_errors_are_one_line_and_name_the_cause(case, checkpoint, tmp_path):
 def test_dtype_is_checked(checkpoint):
     with pytest.raises(ValueError, match=r"dtype must be one of \['bfloat16', 'float16', 'float32'\], got 'fp8'"):
         load_policy(checkpoint, dtype="fp8")
+
+
+def test_generation_config_eos_ids_are_stop_ids_for_decode_and_sampler(checkpoint, tmp_path):
+    """An instruction-tuned model may end a turn with an eos of its generation config that is not the tokenizer's."""
+    from grpo_kernels.train.sampler import HFSampler
+
+    path = copy_of(checkpoint, tmp_path / "model")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5], "bos_token_id": 1}))
+    model, tok = load_policy(path, attn_implementation="sdpa")
+    assert tok.stop_ids == (2, 5)
+    chars = CharTokenizer()
+    assert tok.decode(chars.encode("ab") + [5] + chars.encode("cd")) == "ab"
+    sampler = HFSampler(model, eos_id=tok.eos_id, pad_id=tok.pad_id, stop_ids=tok.stop_ids, max_new_tokens=24,
+                        temperature=3.0)  # fmt: skip
+    rollout = sampler.sample([tok.encode_prompt("12+3=")], 64, seeds=[0])
+    ends = [int(c[-1]) for c in rollout.completion_ids]
+    assert 5 in ends, "no completion ended at the extra stop id: the test proves nothing"
+    for c in rollout.completion_ids:
+        body = c[:-1].tolist()
+        assert 2 not in body and 5 not in body
+        assert int(c[-1]) in (2, 5) or len(c) == 24

@@ -131,6 +131,7 @@ def write(out: Path, rows: list[dict], table: list[dict], *, k: int, command: st
     b.plot(gs, [r["predicted"] for r in table], "-", label="mean of p^G + (1-p)^G")
     b.plot(gs, [r["naive"] for r in table], ":", label="at the mean p")
     b.set(xscale="log", xticks=gs, xticklabels=[str(g) for g in gs], xlabel="G", ylabel="invalid-group rate")
+    b.minorticks_off()
     b.legend()
     fig.tight_layout()
     fig.savefig(out / "pass_rates.png", dpi=100)

@@ -9,7 +9,8 @@ Usage (from the repository root):
 With --model (a known model, prepared on first use, or an HF directory): the task is "arith" (difficulty 1, the
 trainer's built-in task, 256 prompts with seed 0), given to TRL as conversational prompts so that TRL applies the
 chat template as `grpo-kernels train` does, with the task's own reward (correctness + format bonus) for all three;
-temperature 0.7, lr 1e-5, 4 steps; rows go to benchmarks/results/e2e_<model>_cpu.csv.
+temperature 0.7, lr 1e-5, 4 steps; `grpo-kernels train` packs with shared prefixes into micro-batches of at most
+MODEL_TOKEN_BUDGET tokens; rows go to benchmarks/results/e2e_<model>_cpu.csv.
 
 Setup: `grpo_kernels.train.hf_model.write_tiny_checkpoint` saves a random-init tiny Qwen2 (hidden 128, 2 layers,
 tied embeddings) and its character tokenizer to a temporary directory, which all three load. The task is addition
@@ -55,6 +56,10 @@ FULL = dict(steps=12, group_size=8, prompts_per_step=8, max_new_tokens=8, lr=1e-
 QUICK = dict(steps=2, group_size=4, prompts_per_step=2, max_new_tokens=4, lr=1e-3, temperature=1.0)
 MODEL = dict(steps=4, group_size=8, prompts_per_step=4, max_new_tokens=64, lr=1e-5, temperature=0.7)
 ARITH_PROMPTS = 256
+# With --model, `grpo-kernels train` packs each group's prompt once (shared_prefix) into micro-batches of at most this
+# many tokens: the activations of a 30-layer model over a whole step's tokens would dominate its peak memory (TRL
+# bounds them with gradient checkpointing, its default).
+MODEL_TOKEN_BUDGET = 1024
 
 
 def write_inputs(directory: Path, *, num_prompts: int = 256) -> None:
@@ -157,8 +162,10 @@ def trl_worker(provider: str, directory: Path, spec: dict) -> dict:
 def grpo_kernels_config(directory: Path, spec: dict) -> Path:
     """The TOML of the same run for `grpo-kernels train`."""
     path = directory / "grpo_kernels.toml"
+    packing = ""
     if "model" in spec:
         task = f'name = "arith"\ndifficulty = 1\nnum_train_prompts = {ARITH_PROMPTS}'
+        packing = f"[packing]\ntoken_budget = {MODEL_TOKEN_BUDGET}\nshared_prefix = true\n"
     else:
         task = f'name = "jsonl"\npath = "{directory / "task.jsonl"}"\nreward = "numeric"'
     path.write_text(f"""seed = 0
@@ -180,7 +187,7 @@ lr = {spec["lr"]}
 betas = [0.9, 0.95]
 grad_clip = 1.0
 steps = {spec["steps"]}
-[logging]
+{packing}[logging]
 run_dir = "{directory / "run_grpo_kernels"}"
 log_every = 1
 """)

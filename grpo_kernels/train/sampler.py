@@ -37,13 +37,17 @@ class Rollout:
 
 class _SeededSampling(LogitsProcessor):
     """Draw each row's next token from softmax(top_p(scores / T)) with that row's generator (Gumbel-max) and return
-    scores that are -inf except at the drawn token, for generate's greedy step."""
+    scores that are -inf except at the drawn token, for generate's greedy step. `logps` collects, per step, each
+    row's log-prob of its token under log_softmax(scores / T) over the whole vocabulary (the raw logits: generate
+    adds no processor of its own with a fresh GenerationConfig), so no [B, steps, V] logits are kept."""
 
     def __init__(self, generators: list, temperature: float, top_p: float):
         self.generators, self.temperature, self.top_p = generators, temperature, top_p
+        self.logps = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         logits = scores.float() / self.temperature
+        log_probs = torch.log_softmax(logits, -1)
         if self.top_p < 1.0:  # drop the tokens after the smallest set whose probability reaches top_p
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             probs = sorted_logits.softmax(-1)
@@ -53,6 +57,7 @@ class _SeededSampling(LogitsProcessor):
                                for g in self.generators])  # fmt: skip
         gumbel = -torch.log(-torch.log(uniform.clamp_min(torch.finfo(torch.float32).tiny)))
         token = (logits + gumbel).argmax(-1, keepdim=True)
+        self.logps.append(log_probs.gather(-1, token)[:, 0])
         return torch.full_like(scores, float("-inf")).scatter_(-1, token, 0.0)
 
 
@@ -126,14 +131,13 @@ class HFSampler:
         device = self.model.device
         generators = [torch.Generator(device=device).manual_seed(s) for s in row_seeds]
         config = GenerationConfig(max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=self.pad_id,
-                                  eos_token_id=self.stop_ids, output_logits=True, return_dict_in_generate=True,
-                                  use_cache=True)  # fmt: skip
-        out = self.model.generate(ids.to(device), generation_config=config,
-                                  logits_processor=LogitsProcessorList([_SeededSampling(generators, self.temperature,
-                                                                                        self.top_p)]))  # fmt: skip
-        new = out.sequences[:, ids.shape[1] :].cpu()
-        logits = torch.stack(out.logits, dim=1).float().cpu() / self.temperature  # [B, steps, V], raw logits
-        return new, torch.log_softmax(logits, -1).gather(-1, new[..., None])[..., 0]
+                                  eos_token_id=self.stop_ids, use_cache=True)  # fmt: skip
+        draw = _SeededSampling(generators, self.temperature, self.top_p)
+        sequences = self.model.generate(ids.to(device), generation_config=config,
+                                        logits_processor=LogitsProcessorList([draw]))  # fmt: skip
+        new = sequences[:, ids.shape[1] :].cpu()
+        # A finished row gets pad tokens after its stop token, not its draws: callers cut at the first stop.
+        return new, torch.stack(draw.logps, dim=1).cpu()[:, : new.shape[1]]
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict) -> None:

@@ -6,7 +6,7 @@
 `make bench` (benchmarks.run, full mode) calls it at the end. Sources, all under benchmarks/results/:
 - cpu.csv (and cuda.csv once measured), written by benchmarks.run: for every (op, case, shape, provider) the latest
   row, so a partial rerun (--only) replaces only its own rows. TABLES says which rows each README table shows.
-- e2e_cpu.csv (benchmarks/e2e_vs_trl.py): the rows of its latest run.
+- e2e_cpu.csv (benchmarks/e2e_vs_trl.py): the rows of its latest run; e2e_<model>_cpu.csv (--model): the same.
 - group_size_study/runs.csv (grpo-kernels group-size-study), plus the theory figures computed here.
 - gpu_check_<device>.csv (benchmarks/gpu_check.py on a GPU), when one exists.
 Every number in the section comes from these files; the prose around the tables states no measured number.
@@ -149,13 +149,26 @@ def machine(rows: list) -> str:
     return f"{r['device']}, torch {r['torch']}, {r['threads']} threads"
 
 
-def e2e_section(path: Path) -> list:
+E2E_TINY_NOTE = ("The vocabulary is tiny here, so fusing the LM head cannot save anything: at this size a step is "
+                 "per-call overhead (generate, Python, the optimizer), which also makes these times vary from run to "
+                 "run (every run is in the CSV). `grpo-kernels train`'s loss step includes gradient clipping and the "
+                 "optimizer step.")  # fmt: skip
+E2E_MODEL_NOTE = ("HF `generate` samples for all three; TRL runs with its defaults (gradient checkpointing, padded "
+                  "batches), `grpo-kernels train` packs each group's prompt once into micro-batches of at most 1024 "
+                  "tokens. Each trainer draws its own completions, so their lengths (and the generation time) differ; "
+                  "`grpo-kernels train`'s loss step includes gradient clipping and the optimizer step.")  # fmt: skip
+
+
+def e2e_section(path: Path, *, model: str | None = None) -> list:
+    """The latest run of an e2e CSV: the tiny model's (model None) or a real model's (`--model model`)."""
     rows = read_csv(path)
     run = [r for r in rows if r["timestamp"] == rows[-1]["timestamp"]]
     r0 = run[0]
     names = {"trl": "TRL `GRPOTrainer`", "fused_trl": "`FusedGRPOTrainer`", "grpo_kernels": "`grpo-kernels train`"}
-    lines = [f"**End to end** (`.venv/bin/python benchmarks/e2e_vs_trl.py`; {provenance(run)}; {r0['device']}, "
-             f"torch {r0['torch']}, TRL {r0['trl']}): tiny Qwen2, G = {r0['group_size']}, {r0['prompts_per_step']} "
+    command = ".venv/bin/python benchmarks/e2e_vs_trl.py" + (f" --model {model}" if model else "")
+    what = f"{model}, task arith" if model else "tiny Qwen2"
+    lines = [f"**End to end** (`{command}`; {provenance(run)}; {r0['device']}, "
+             f"torch {r0['torch']}, TRL {r0['trl']}): {what}, G = {r0['group_size']}, {r0['prompts_per_step']} "
              f"prompts per step, {r0['max_new_tokens']} new tokens, {r0['steps']} steps, each in a fresh process.", "",
              "| trainer | s / step | loss step s | completion tokens / s | peak RSS MB | step time vs TRL |",
              "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
@@ -163,10 +176,7 @@ def e2e_section(path: Path) -> list:
         lines.append(f"| {names.get(r['provider'], r['provider'])} | {float(r['step_s']):.3f} | "
                      f"{float(r['loss_step_s']):.3f} | {float(r['completion_tokens_per_s']):,.0f} | "
                      f"{float(r['peak_rss_mb']):,.0f} | {float(r['step_vs_trl']):.2f}x |")  # fmt: skip
-    lines += ["", "The vocabulary is tiny here, so fusing the LM head cannot save anything: at this size a step is "
-              "per-call overhead (generate, Python, the optimizer), which also makes these times vary from run to run "
-              "(every run is in the CSV). `grpo-kernels train`'s loss step includes gradient clipping and the "
-              "optimizer step.", ""]  # fmt: skip
+    lines += ["", E2E_MODEL_NOTE if model else E2E_TINY_NOTE, ""]
     return lines
 
 
@@ -226,6 +236,8 @@ def render(results: Path = RESULTS) -> str:
                   for line in op_table(table, rows)]  # fmt: skip
     if (results / "e2e_cpu.csv").exists():
         lines += e2e_section(results / "e2e_cpu.csv")
+    for path in sorted(results.glob("e2e_*_cpu.csv")):  # real models: e2e_<model>_cpu.csv
+        lines += e2e_section(path, model=path.name.removeprefix("e2e_").removesuffix("_cpu.csv"))
     if (results / "group_size_study" / "runs.csv").exists():
         lines += group_size_section(results / "group_size_study" / "runs.csv")
     lines += gpu_section(sorted(p for p in results.glob("gpu_check_*.csv") if "dry-run" not in p.name))

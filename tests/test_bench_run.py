@@ -149,3 +149,22 @@ def test_readme_render_shows_a_gpu_check_csv(tmp_path):
     assert "**NVIDIA H200**" in section and "1 of 2 checks against the reference pass" in section
     assert "| logprobs | 4096x152064 | ours | 1.234 ms | 2000 GB/s (50% of copy) | 3.10x |" in section
     assert "dry-run" not in section and "no numbers yet" not in section
+
+
+def test_readme_render_shows_the_latest_run_of_each_real_model_e2e_csv(tmp_path):
+    from benchmarks import readme
+
+    def row(provider, step, timestamp):
+        return {"timestamp": timestamp, "device": "Test CPU", "torch": "9.9", "triton": "1.0", "git_sha": "abc1234",
+                "trl": "1.16.0", "provider": provider, "steps": 4, "group_size": 8, "prompts_per_step": 4,
+                "max_new_tokens": 64, "step_s": step, "loss_step_s": step / 2, "completion_tokens_per_s": 10.0,
+                "peak_rss_mb": 100.0, "step_vs_trl": step / 20.0, "loss_step_vs_trl": step / 20.0}  # fmt: skip
+
+    write_csv(tmp_path / "e2e_smollm2-135m_cpu.csv", [
+        row("trl", 30.0, "2026-01-01T00:00:00"), row("grpo_kernels", 25.0, "2026-01-01T00:00:00"),  # older
+        row("trl", 20.0, "2026-01-02T00:00:00"), row("grpo_kernels", 8.0, "2026-01-02T00:00:00"),
+    ])  # fmt: skip
+    section = readme.render(tmp_path)
+    assert "benchmarks/e2e_vs_trl.py --model smollm2-135m`" in section and "smollm2-135m, task arith, G = 8" in section
+    assert "| `grpo-kernels train` | 8.000 | 4.000 | 10 | 100 | 0.40x |" in section
+    assert "25.000" not in section and "tiny Qwen2" not in section  # the older run; no e2e_cpu.csv here

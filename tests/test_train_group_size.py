@@ -42,3 +42,47 @@ def test_training_with_adaptive_g_and_dynamic_sampling(tmp_path):
         assert r["invalid_group_rate"] == 0.0 and r["prompts_sampled"] >= 3 and r["resample_rounds"] <= 1
     if len(rows) >= 2:
         assert rows[-1]["group_size"] >= rows[0]["group_size"]
+
+
+def test_dynamic_sampling_drops_exactly_the_groups_the_advantage_kernel_marks_invalid():
+    """A group with rewards 1.0 and 1.0 + 1e-7 has no gradient (std <= min_std): dynamic sampling must drop it, as the
+    advantage kernel zeroes it, rather than keep it because its rewards are not all identical."""
+    import torch
+
+    from grpo_kernels.advantages import group_advantages
+    from grpo_kernels.train.config import load_config
+    from grpo_kernels.train.fsdp import SINGLE
+    from grpo_kernels.train.sampler import Rollout
+    from grpo_kernels.train.tasks import Example
+    from grpo_kernels.train.trainer import _collect
+
+    group_rewards = {"tiny": [1.0, 1.0 + 1e-7], "signal": [0.0, 1.0], "equal": [0.5, 0.5], "near": [0.2, 0.2 + 1e-6]}
+    names = list(group_rewards)
+
+    class Tok:
+        def encode_prompt(self, prompt):
+            return [names.index(prompt)]
+
+        def decode(self, ids):
+            return ",".join(str(int(i)) for i in ids)
+
+    class Sampler:
+        def sample(self, prompts, g, *, seeds):
+            ids = [torch.tensor([p[0], j]) for p in prompts for j in range(g)]
+            return Rollout(prompt_ids=[torch.tensor(p) for p in prompts for _ in range(g)], completion_ids=ids,
+                           sampler_logps=[torch.zeros(2) for _ in ids], group_size=g)  # fmt: skip
+
+    class Task:
+        def reward(self, completion, example):
+            k, j = (int(x) for x in completion.split(","))
+            return group_rewards[names[k]][j]
+
+    examples = [Example(prompt=name, answer="") for name in names]
+    config = load_config(None, ["--sampling.prompts_per_step=4", "--group_size.dynamic_sampling=true",
+                                "--group_size.max_resample_rounds=0"])  # fmt: skip
+    rollout, rewards, sampled, rounds = _collect(config, Sampler(), Tok(), Task(), lambda n: examples[:n], 0, 2,
+                                                 SINGLE)
+    valid = group_advantages(torch.tensor([r for n in names for r in group_rewards[n]]), group_size=2).valid
+    assert valid.tolist() == [False, True, False, False]  # the kernel's verdict on these four groups
+    assert rewards == group_rewards["signal"] and sampled == 4 and rounds == 0
+    assert [int(p[0]) for p in rollout.prompt_ids] == [names.index("signal")] * 2

@@ -361,7 +361,7 @@ class GroupSizeConfig:
     max_group_size: int = 32
     """Upper bound on the adaptive G; >= sampling.group_size when adaptive."""
     invalid_rate_threshold: float = 0.5
-    """Invalid-group rate (all-equal rewards, no gradient) above which G grows, in [0, 1]."""
+    """Invalid-group rate (all-equal rewards, no gradient) above which G grows, in (0, 1)."""
     window: int = 5
     """Steps over which the invalid-group rate is averaged."""
     dynamic_sampling: bool = False
@@ -371,7 +371,7 @@ class GroupSizeConfig:
 
     def __post_init__(self):
         _validate(self, at_least={"max_group_size": 2, "window": 1, "max_resample_rounds": 0})
-        _check(self, "invalid_rate_threshold", 0 <= self.invalid_rate_threshold <= 1, "in [0, 1]")
+        _check(self, "invalid_rate_threshold", 0 < self.invalid_rate_threshold < 1, "in (0, 1)")
 
 
 @dataclass(kw_only=True, slots=True)

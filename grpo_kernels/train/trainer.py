@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ..advantages import group_advantages
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, save_config
 from .fsdp import SINGLE, Dist, all_gather_objects, full_state_dict, init_distributed, shard
@@ -98,8 +99,9 @@ def _collect(config: TrainConfig, sampler, tok, task, next_prompts, step: int, g
         seeds = [_seed(config.seed, step, rounds, k) for k in range(len(batch))]
         rollout, rewards = _sample(sampler, tok, task, batch, g, seeds, d)
         sampled += len(batch)
-        if gs.dynamic_sampling:  # keep the groups with a gradient signal
-            keep = [k for k in range(len(batch)) if len(set(rewards[k * g : (k + 1) * g])) > 1]
+        if gs.dynamic_sampling:  # keep the groups with a gradient signal: the advantage kernel's own test
+            valid = group_advantages(torch.tensor(rewards, dtype=torch.float32), group_size=g).valid
+            keep = [k for k in range(len(batch)) if bool(valid[k])]
             rollout, rewards = _groups_of(rollout, rewards, keep)
         if rewards:
             parts.append((rollout, rewards))

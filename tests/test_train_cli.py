@@ -132,3 +132,16 @@ def test_tensorboard_gets_every_metric_of_every_step(tmp_path):
     events.Reload()
     assert set(events.Tags()["scalars"]) == set(rows[0])
     assert [e.value for e in events.Scalars("reward")] == pytest.approx([r["reward"] for r in rows])
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_a_run_dir_that_cannot_be_a_directory_is_one_error_line(tmp_path, where):
+    (tmp_path / "file").write_text("")
+    run = tmp_path / "file" if where == "a file" else tmp_path / "file" / "run"
+    with pytest.raises(SystemExit) as info:
+        main(["train", f"--logging.run_dir={run}", "--optim.steps=1"])
+    message = str(info.value)
+    blocked = tmp_path / "file"
+    expected = "is a file, not a directory" if where == "a file" else f"cannot be created: {blocked} is a file"
+    assert message.startswith("grpo-kernels train: error: logging.run_dir ") and expected in message, message
+    assert "\n" not in message and (tmp_path / "file").read_text() == ""

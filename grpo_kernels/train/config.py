@@ -216,6 +216,7 @@ class TaskConfig:
         if self.system_prompt is not None:
             _check(self, "system_prompt", self.chat_template != "off", 'none when task.chat_template is "off"')
         _check(self, "difficulty", 1 <= self.difficulty <= 10, "in 1..10")
+        _check(self, "seed", -(2**63) <= self.seed < 2**63, "in [-2**63, 2**63)")
         if self.name == "jsonl":
             _check(self, "path", self.path not in (None, ""), 'a JSONL file path when task.name is "jsonl"')
         else:
@@ -444,6 +445,8 @@ class TrainConfig:
 
     def __post_init__(self):
         self.seed = _typed("seed", int, self.seed)
+        if not -(2**63) <= self.seed < 2**63:  # torch.manual_seed and the samplers' seed hashes take 64-bit seeds
+            raise ValueError(f"seed must be in [-2**63, 2**63), got {self.seed}")
         for name, cls in _sections().items():
             if not isinstance(getattr(self, name), cls):
                 raise ValueError(f"{name} must be a {cls.__name__}, got {getattr(self, name)!r}")

@@ -17,6 +17,7 @@ before the run directory is written.
 import copy
 import json
 import math
+import os
 import random
 import sys
 import tempfile
@@ -185,6 +186,20 @@ def _sampler(config: TrainConfig, model, tok, d: Dist):
                            external_launcher=d.distributed)  # fmt: skip
 
 
+def _check_run_dir(run_dir: Path, option: str) -> None:
+    """ValueError (one line naming the option) when run_dir is a file, lies under a file, or cannot be created or
+    written; writes nothing."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"{option} {run_dir} is a file, not a directory")
+    existing = run_dir
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{option} {run_dir} cannot be created: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {run_dir} cannot be written: no write permission on {existing}")
+
+
 def _decoder_blocks(model):
     layers = getattr(model.base_model, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
@@ -197,6 +212,7 @@ def train(config: TrainConfig, *, log=print) -> dict:
     d = init_distributed(config.distributed.backend)
     resume = config.checkpoint.resume
     run_dir = Path(resume or config.logging.run_dir)
+    _check_run_dir(run_dir, "checkpoint.resume" if resume else "logging.run_dir")
     checkpoint = latest_checkpoint(run_dir)
     if resume and checkpoint is None:
         raise ValueError(f"checkpoint.resume: no checkpoint in {run_dir}/checkpoints")

@@ -66,6 +66,9 @@ def test_jsonl_loader_and_its_errors(tmp_path):
         load_jsonl(bad)
     with pytest.raises(ValueError, match="cannot read"):
         load_jsonl(tmp_path / "missing.jsonl")
+    bad.write_bytes(b'{"prompt": "caf\xe9", "answer": "1"}\n')  # Latin-1, not UTF-8
+    with pytest.raises(ValueError, match=r"bad\.jsonl is not UTF-8 text \(byte 15: invalid continuation byte\)"):
+        load_jsonl(bad)
     with pytest.raises(ValueError, match="needs a path"):
         make_task("jsonl")
 

@@ -224,9 +224,11 @@ def make_task(name: str, *, difficulty: int = 1, path=None, reward: str = "exact
 def load_jsonl(path) -> list[Example]:
     """Examples from a JSONL file; a clear ValueError for an unreadable file, bad JSON or missing keys."""
     try:
-        lines = Path(path).read_text().splitlines()
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason})") from exc
     out = []
     for number, line in enumerate(lines, 1):
         if not line.strip():

@@ -106,7 +106,7 @@ def full_config() -> TrainConfig:
         overrides={
             "seed": 123456789,
             "model": {"name": 'models/q"w\\en 2', "hidden_size": 64, "num_heads": 8, "num_kv_heads": 4,
-                      "head_dim": 64, "dtype": "bfloat16", "attn_implementation": "sdpa"},
+                      "head_dim": 64, "dtype": "bfloat16", "attn_implementation": "grpo_varlen"},
             "task": {"name": "jsonl", "path": "data/tâsk\n\t\x7f.jsonl", "difficulty": 10, "num_train_prompts": 3,
                      "num_eval_prompts": 0, "seed": -1, "sft_warmup_steps": 5},
             "sampling": {"sampler": "vllm", "group_size": 64, "prompts_per_step": 2, "max_new_tokens": 100,
@@ -117,7 +117,7 @@ def full_config() -> TrainConfig:
                      "sapo_temperature_pos": 0.1 + 0.2, "sapo_temperature_neg": 1e16},
             "optim": {"lr": 1e-5, "weight_decay": 0.1, "betas": (0.0, 0.999), "warmup_steps": 10, "schedule": "cosine",
                       "grad_clip": None, "num_iterations": 4, "steps": 1},
-            "packing": {"token_budget": 1, "shared_prefix": True, "algorithm": "greedy"},
+            "packing": {"token_budget": 1, "shared_prefix": True, "algorithm": "greedy"},  # needs grpo_varlen
             "group_size": {"adaptive": True, "max_group_size": 64, "invalid_rate_threshold": 0.05, "window": 1,
                            "dynamic_sampling": True, "max_resample_rounds": 0},
             "distributed": {"backend": "gloo"},
@@ -173,6 +173,8 @@ BAD_OVERRIDES = [
     (["task.name=jsonl"], "task.path"),
     (["task.path=data.jsonl"], "task.path must be none for the built-in task"),
     (["task.difficulty=11"], "task.difficulty"),
+    (["packing.shared_prefix=true", "model.attn_implementation=sdpa"], 'packing.shared_prefix needs model.attn_impl'),
+    (["packing.shared_prefix=true", "model.attn_implementation=eager"], 'with "eager" the completions of a group'),
     (["task.chat_template=yes"], "task.chat_template must be one of 'auto', 'on', 'off', got 'yes'"),
     (["task.chat_template=off", "task.system_prompt=Be brief."], 'task.system_prompt must be none when task.chat_'),
     (["group_size.adaptive=true", "group_size.max_group_size=4"], "group_size.max_group_size must be >= sampling"),

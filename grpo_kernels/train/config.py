@@ -456,6 +456,10 @@ class TrainConfig:
                 f"group_size.max_group_size must be >= sampling.group_size ({g}) when group_size.adaptive is true, "
                 f"got {gs.max_group_size}"
             )
+        if self.packing.shared_prefix and self.model.attn_implementation != "grpo_varlen":
+            raise ValueError(f'packing.shared_prefix needs model.attn_implementation "grpo_varlen" (with '
+                             f'"{self.model.attn_implementation}" the completions of a group would attend to each '
+                             "other), got shared_prefix = true")  # fmt: skip
         mcl, new = self.loss.max_completion_length, self.sampling.max_new_tokens
         if mcl is not None and mcl < new:
             raise ValueError(f"loss.max_completion_length must be >= sampling.max_new_tokens ({new}), got {mcl}")

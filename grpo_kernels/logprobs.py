@@ -43,7 +43,8 @@ def selective_logprobs(
 
     Args:
         logits: `[B, L, V]` or packed `[T, V]`, float32/bfloat16/float16, any V.
-        ids: `[B, L]` or `[T]` int64/int32 token ids in [0, V).
+        ids: `[B, L]` or `[T]` int64/int32 token ids in [0, V) (else ValueError; under torch.compile that
+            check is skipped: the C++ kernel still raises, the Triton kernel gives a NaN log-prob for such an id).
         temperature: the sampling temperature (a runtime argument: changing it recompiles nothing).
         return_entropy: also return `-sum_v p log p` per token.
         cu_seqlens: `[num_sequences + 1]` boundaries of packed sequences (checked; the op is per token).

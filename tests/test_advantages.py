@@ -157,6 +157,36 @@ def test_non_finite_rewards_invalidate_their_group(impl, triton_device, bad):
 
 
 @pytest.mark.parametrize("impl", [*IMPLS, "reference"])
+@pytest.mark.parametrize("case", ["all_equal", "equal_groups_mixed_values", "all_non_finite"])
+def test_batch_scale_with_eps_zero_and_no_valid_group_gives_exact_zeros(impl, triton_device, case):
+    # Every group invalid: the batch std S can be 0 (1 / (S + eps) is inf), yet advantages are exactly 0.
+    if case == "all_equal":
+        rewards = torch.full((32,), 0.7)  # S = 0
+    elif case == "equal_groups_mixed_values":
+        rewards = torch.tensor([1.0, -2.0, 0.5, 3.0]).repeat_interleave(8)  # S > 0, all groups still invalid
+    else:
+        rewards = torch.randn(32)
+        rewards[::8] = float("nan")  # no finite group: S over zero rewards is 0
+    kw = dict(group_size=8, scale="batch", eps=0.0, nan="invalid")
+    out, _ = check_against_reference(impl, device_for(impl, triton_device), rewards, **kw)
+    assert not bool(out.valid.any())
+    assert torch.equal(out.advantages.cpu(), torch.zeros(32)), "invalid groups must get advantage exactly 0"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("std", ["unbiased", "biased"])
+def test_batch_scale_with_eps_zero_mixed_groups_match_reference(impl, triton_device, std):
+    rewards = torch.randn(64) * 2 + 1
+    rewards[:8] = 0.25  # invalid: all equal
+    rewards[24:32] = 1.0  # invalid: all equal
+    rewards[45] = float("inf")  # invalid: non-finite
+    kw = dict(group_size=8, scale="batch", eps=0.0, std=std, nan="invalid")
+    out, _ = check_against_reference(impl, device_for(impl, triton_device), rewards, **kw)
+    assert out.valid.tolist() == [False, True, True, False, True, False, True, True]
+    assert bool(torch.isfinite(out.advantages).all())
+
+
+@pytest.mark.parametrize("impl", [*IMPLS, "reference"])
 def test_nan_error_names_the_first_bad_index(impl, triton_device):
     dev = device_for(impl, triton_device)
     rewards = torch.randn(16, 2)

@@ -139,6 +139,34 @@ def test_bad_arguments_raise_value_error(kwargs, match):
         grpo_kernels.selective_logprobs(logits, ids, **kwargs)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_kernel_never_reads_out_of_bounds_for_bad_ids(triton_device, dtype):
+    # The launchers directly, past the Python id checks (as under torch.compile): ids V, V + 5 and -1 must read
+    # nothing outside the row; such a row's log-prob is NaN, its entropy / lse and every other row unchanged.
+    from grpo_kernels.ops import logprobs as ops
+
+    t, v = 6, 17
+    logits, good_ids = make(t, v, dtype)
+    bad_rows = [0, 2, 5]  # the first and last rows: an unguarded read would leave the [T, V] buffer
+    ids = good_ids.clone()
+    ids[bad_rows] = torch.tensor([-1, v, v + 5])
+    x, dev_ids = logits.to(triton_device), ids.to(triton_device)
+    logps, entropy, lse = ops.logprobs_fwd_triton(x, dev_ids, 0.9, True)
+    ok_lp, ok_h, ok_lse = ops.logprobs_fwd_triton(x, good_ids.to(triton_device), 0.9, True)
+    ref_lp, ref_h, _ = oracle(logits, good_ids, 0.9)
+    ok = torch.tensor([i not in bad_rows for i in range(t)])
+    assert bool(torch.isnan(logps[bad_rows]).all()), "an out-of-range id gives a NaN log-prob"
+    assert torch.equal(logps.cpu()[ok], ok_lp.cpu()[ok]), "in-range rows are unchanged"
+    assert_close(logps.cpu()[ok], ref_lp[ok], name="in-range logps")
+    assert torch.equal(entropy, ok_h) and torch.equal(lse, ok_lse)
+    assert_close(entropy, ref_h, name="entropy")
+    # The backward compares ids with the columns (never indexes with them): the bad rows get no one-hot term.
+    g = torch.randn(t).to(triton_device)
+    dx = ops.logprobs_bwd_triton(g, None, x, dev_ids, lse, None, 0.9, False)
+    ok_dx = ops.logprobs_bwd_triton(g, None, x, good_ids.to(triton_device), lse, None, 0.9, False)
+    assert torch.equal(dx.cpu()[ok], ok_dx.cpu()[ok]) and bool(torch.isfinite(dx.float()).all())
+
+
 def test_bad_ids_and_shapes_raise_value_error():
     logits, ids = make(6, 11)
     with pytest.raises(ValueError, match=r"ids must lie in \[0, V=11\), found 11"):

@@ -12,7 +12,8 @@ so the [N] combined reward never hits memory.
 
 "batch" scaling needs the std of the whole batch, which depends on every group: the kernel writes the
 unscaled r - mean, the batch std is combined from the per-group (n, mean, std) in a few O(num_groups) torch
-ops, and one multiply scales the advantages. No host sync anywhere: invalid_fraction stays a tensor.
+ops, and one multiply scales the advantages (exact zeros stay zeros, even when eps = 0 makes the factor inf).
+No host sync anywhere: invalid_fraction stays a tensor.
 
 Hyperparameters (eps, min_std, the std correction, the scale mode) are runtime arguments; only the tile
 shape and whether offsets are given are compile-time.
@@ -125,7 +126,9 @@ def _batch_rescale(adv, mean, std, sizes, eps: float, correction: float) -> torc
     big_m2 = m2.sum() + (n * (m - big_mean) ** 2).sum()
     big_dof = count - correction
     big_std = torch.where(big_dof > 0, big_m2 / big_dof.clamp(min=1.0), 0.0).sqrt()
-    return adv * (1.0 / (big_std + eps))
+    # Invalid groups hold exact zeros and keep them: with eps = 0 and no valid group, S can be 0 and the
+    # factor inf (0 * inf = NaN). A valid group has std > 0, so S > 0 whenever one exists.
+    return torch.where(adv == 0, adv, adv * (1.0 / (big_std + eps)))
 
 
 def group_sizes(n: int, group_offsets: torch.Tensor | None, group_size: int, device) -> torch.Tensor:

@@ -3,8 +3,9 @@
 Design. One program per token row (the token dimension on grid axis 0: any T up to 2^31 - 1). The forward
 reads the row once in BLOCK_V chunks with an online log-sum-exp kept per lane (running max m, sum of
 exp(z - m), and for the entropy the sum of exp(z - m) (z - m)), combined across lanes at the end; it writes
-the log-prob of the chosen id, the entropy, and the row's log-sum-exp for the backward, so no [T, V] buffer
-is stored. The backward reads the row once more and writes
+the log-prob of the chosen id (NaN for an id outside [0, V), which is never read), the entropy, and the
+row's log-sum-exp for the backward, so no [T, V] buffer is stored. The backward reads the row once more and
+writes (it compares the id with the columns, never indexes with it: a bad id just gets no one-hot term)
     dlogits = (g (onehot - p) - gH p (log p + H)) / temperature,   p = exp(z - lse), z = logits / temperature.
 Entropy uses the shifted sum (z - m), so a peaked row with large logits keeps its small entropy accurate.
 Everything is accumulated in fp32; the temperature is a runtime argument.
@@ -52,8 +53,12 @@ def _logprobs_fwd_kernel(
     w = tl.where(m > float("-inf"), tl.exp(m - big_m), 0.0)
     total = tl.sum(s * w, axis=0)
     lse = big_m + tl.log(total)
+    # An id outside [0, V) (the wrapper rejects it, but its checks do not run under torch.compile) reads
+    # nothing: the row's log-prob is NaN; its entropy and lse are still written.
     target = tl.load(ids_ptr + row)
-    z_id = tl.load(base + target).to(tl.float32) * inv_temperature
+    in_range = (target >= 0) & (target < V)
+    z_id = tl.load(base + tl.where(in_range, target, 0), mask=in_range, other=float("nan"))
+    z_id = z_id.to(tl.float32) * inv_temperature
     tl.store(logps_ptr + row, z_id - lse)
     tl.store(lse_ptr + row, lse)
     if RETURN_ENTROPY:

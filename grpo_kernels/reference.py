@@ -116,7 +116,8 @@ def selective_logprobs(
     logps = logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     if not return_entropy:
         return logps
-    return logps, -(logp.exp() * logp).sum(dim=-1)
+    # 0 log 0 = 0: a -inf logit (a masked vocabulary) adds nothing to the entropy and gets no gradient.
+    return logps, -(logp.exp() * logp.masked_fill(logp == float("-inf"), 0.0)).sum(dim=-1)
 
 
 def unpack(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:

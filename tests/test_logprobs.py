@@ -237,3 +237,71 @@ def test_a_million_packed_tokens_on_cpu():
     rows = torch.randint(0, t, (1000,))
     ref = reference.selective_logprobs(logits[rows].double(), ids[rows])
     assert_close(logps[rows], ref, name="logps at sampled rows of a 1M-token batch")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_minus_inf_non_target_logits_give_finite_entropy_and_grads(triton_device, dtype):
+    # A masked / padded vocabulary: -inf logits (not the target) contribute exactly 0 to the entropy and get
+    # exactly 0 gradient; 0 * -inf terms must not turn the row into NaN. Row 3 is -inf except its target
+    # (entropy 0, log-prob 0). The launchers directly plus autograd, against C++ and the fp64 oracle.
+    from grpo_kernels.ops import logprobs as ops
+
+    t, v, temp = 5, 37, 0.9
+    logits, ids = make(t, v, dtype)
+    ids[:] = torch.tensor([0, 5, 36, 12, 20])
+    inf_cols = {0: [1, 2, 36], 1: [0, 4, 30, 31, 32], 2: [3], 4: list(range(21, 37))}
+    for r, cols in inf_cols.items():
+        logits[r, cols] = float("-inf")
+    logits[3] = float("-inf")
+    logits[3, 12] = 1.5
+    inf = torch.isinf(logits)
+    g, g_h = torch.randn(t, dtype=torch.float64), torch.randn(t, dtype=torch.float64)
+    ref_lp, ref_h, ref_dx = oracle(logits, ids, temp, (g, g_h))
+    _, _, ref_dx_lp = oracle(logits, ids, temp, (g, torch.zeros(t, dtype=torch.float64)))
+    assert float(ref_h[3]) == 0.0 and float(ref_lp[3]) == 0.0
+    x, dev_ids = logits.to(triton_device), ids.to(triton_device)
+    logps, entropy, lse = ops.logprobs_fwd_triton(x, dev_ids, temp, True)
+    gf, g_hf = g.float().to(triton_device), g_h.float().to(triton_device)
+    dx = ops.logprobs_bwd_triton(gf, g_hf, x, dev_ids, lse, entropy, temp, False)
+    dx_lp = ops.logprobs_bwd_triton(gf, None, x, dev_ids, lse, None, temp, False)
+    for name, val in [("logps", logps), ("entropy", entropy), ("lse", lse), ("d logits", dx), ("d logits", dx_lp)]:
+        assert bool(torch.isfinite(val.float()).all()), f"triton {name} not finite: {val}"
+    assert_close(logps, ref_lp, name="logps")
+    assert_close(entropy, ref_h, name="entropy")
+    assert_close(dx, ref_dx, name="d logits (logp + entropy grads)", dtype=dtype)
+    assert_close(dx_lp, ref_dx_lp, name="d logits (logp grad only)", dtype=dtype)
+    assert bool((dx.cpu()[inf] == 0).all()) and bool((dx_lp.cpu()[inf] == 0).all()), "-inf logits get 0 grad"
+    assert float(entropy[3]) == 0.0 and float(logps[3]) == 0.0
+    # The same through the public API (autograd) and the C++ backend.
+    for impl, dev in [("triton", triton_device), ("cpp", "cpu")]:
+        xi = logits.to(dev).requires_grad_()
+        lp_i, h_i = logprobs(xi, ids.to(dev), impl, temperature=temp, return_entropy=True)
+        (dx_i,) = torch.autograd.grad((lp_i * g.float().to(dev)).sum() + (h_i * g_h.float().to(dev)).sum(), xi)
+        assert_close(lp_i, ref_lp, name=f"{impl} logps")
+        assert_close(h_i, ref_h, name=f"{impl} entropy")
+        assert_close(dx_i, ref_dx, name=f"{impl} d logits", dtype=dtype)
+
+
+def test_triton_minus_inf_target_logit_matches_reference(triton_device):
+    # A -inf TARGET logit: log-prob -inf like the reference (and C++), entropy finite (0 log 0 = 0 in the reference
+    # too), d logits finite: +g at the target, like autograd.
+    from grpo_kernels.ops import logprobs as ops
+
+    logits, _ = make(3, 11)
+    ids = torch.tensor([4, 0, 10])
+    logits[0, [4, 7]] = float("-inf")
+    g, g_h = torch.randn(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    ref_lp, ref_h, ref_dx = oracle(logits, ids, 1.0, (g, g_h))
+    assert float(ref_lp[0]) == float("-inf")
+    plain_lp = reference.selective_logprobs(logits.double(), ids)
+    x, dev_ids = logits.to(triton_device), ids.to(triton_device)
+    logps, entropy, lse = ops.logprobs_fwd_triton(x, dev_ids, 1.0, True)
+    dx = ops.logprobs_bwd_triton(g.float().to(triton_device), g_h.float().to(triton_device), x, dev_ids, lse,
+                                 entropy, 1.0, False)  # fmt: skip
+    assert float(logps[0]) == float("-inf") and float(plain_lp[0]) == float("-inf")
+    assert_close(logps[1:], ref_lp[1:], name="logps")
+    assert_close(entropy, ref_h, name="entropy")
+    assert_close(dx, ref_dx, name="d logits")
+    c_lp, c_h = grpo_kernels._C.selective_logprobs(logits, ids, 1.0, True)[:2]
+    assert float(c_lp[0]) == float("-inf")
+    assert_close(c_h, ref_h, name="cpp entropy")

@@ -8,6 +8,7 @@ row's log-sum-exp for the backward, so no [T, V] buffer is stored. The backward 
 writes (it compares the id with the columns, never indexes with it: a bad id just gets no one-hot term)
     dlogits = (g (onehot - p) - gH p (log p + H)) / temperature,   p = exp(z - lse), z = logits / temperature.
 Entropy uses the shifted sum (z - m), so a peaked row with large logits keeps its small entropy accurate.
+A -inf logit (a masked vocabulary) adds exactly 0 to the entropy and gets exactly 0 gradient (no 0 * -inf).
 Everything is accumulated in fp32; the temperature is a runtime argument.
 """
 
@@ -46,7 +47,8 @@ def _logprobs_fwd_kernel(
         e = tl.where(valid & seen, tl.exp(z_fin - m_ref), 0.0)
         if RETURN_ENTROPY:
             shift = tl.where(m > float("-inf"), m, m_ref) - m_ref
-            sz = scale * (sz + s * shift) + e * (z_fin - m_ref)
+            # A -inf logit has e = 0 and z - m = -inf: its term is exactly 0, not 0 * -inf = NaN.
+            sz = scale * (sz + s * shift) + tl.where(z_fin != float("-inf"), e * (z_fin - m_ref), 0.0)
         s = s * scale + e
         m = m_new
     big_m = tl.max(m, axis=0)
@@ -89,7 +91,8 @@ def _logprobs_bwd_kernel(
         p = tl.exp(log_p)
         d = g * (tl.where(v0 + cols == target, 1.0, 0.0) - p)
         if HAS_GRAD_ENTROPY:
-            d -= g_h * p * (log_p + h)
+            # p (log p + H) is 0, not 0 * -inf = NaN, for a -inf logit.
+            d -= tl.where(log_p != float("-inf"), g_h * p * (log_p + h), 0.0)
         tl.store(out + v0 + cols, (d * inv_temperature).to(x.dtype), mask=valid)
 
 

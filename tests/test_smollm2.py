@@ -111,6 +111,16 @@ def test_a_killed_conversion_leaves_nothing_that_loads_and_the_next_prepare_remo
     assert sorted(p.name for p in out.parent.iterdir()) == [mine.name]
 
 
+def test_a_conversion_that_transformers_cannot_do_is_one_error_line(tmp_path, monkeypatch):
+    def unsupported(gguf, directory, **_):
+        raise RuntimeError("GGUF model with architecture llama is not supported yet.\n(a long traceback follows)")
+
+    monkeypatch.setattr(models, "_convert", unsupported)
+    with pytest.raises(ValueError, match=r"cannot convert \S+\.gguf with transformers: GGUF model with .* yet\.$"):
+        models.prepare_model(NAME, out=tmp_path / "m")
+    assert not (tmp_path / "m").exists() and list(tmp_path.iterdir()) == []
+
+
 def test_missing_packages_are_named_with_the_install_command(tmp_path, monkeypatch):
     real = models.find_spec
     monkeypatch.setattr(models, "find_spec", lambda name: None if name == SPEC.module else real(name))

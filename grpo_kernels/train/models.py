@@ -13,9 +13,9 @@ takes the state dict and saves as a plain fp32 checkpoint (517 MB), which every 
 Safety: the GGUF is checked against its known size and sha256 first (a truncated or corrupt file is one error line),
 the directory is written under a temporary name beside the target and renamed when complete, and the completed
 directory holds a marker file: a killed conversion never leaves a directory that a later run would load (the next
-prepare deletes what it left). Errors are
-ValueErrors of one line naming the cause (a missing package and how to install it, the damaged file, the cache that
-cannot be written); the cache is $GRPO_KERNELS_CACHE, else $XDG_CACHE_HOME/grpo-kernels, else ~/.cache/grpo-kernels.
+prepare deletes what it left). Errors are ValueErrors of one line naming the cause (a missing package and how to
+install it, the damaged file, the cache that cannot be written, a transformers that cannot read the file); the cache
+is $GRPO_KERNELS_CACHE, else $XDG_CACHE_HOME/grpo-kernels, else ~/.cache/grpo-kernels.
 """
 
 import hashlib
@@ -110,6 +110,9 @@ def prepare_model(name: str, *, out=None, progress: bool | None = None) -> Path:
                 raise
     except OSError as exc:
         raise ValueError(f"cannot write {target}: {exc.strerror or exc}") from exc
+    except Exception as exc:  # transformers/gguf failing on the (checked) file: an unsupported version, ...
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise ValueError(f"cannot convert {gguf} with transformers: {first}") from exc
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return target

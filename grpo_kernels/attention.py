@@ -20,7 +20,7 @@ import inspect
 
 import torch
 
-__all__ = ["HF_ATTENTION_NAME", "register_hf_attention", "varlen_attention"]
+__all__ = ["HF_ATTENTION_NAME", "check_packed_attention", "register_hf_attention", "varlen_attention"]
 
 HF_ATTENTION_NAME = "grpo_varlen"
 
@@ -41,16 +41,39 @@ def _torch_varlen():
     return varlen_attn
 
 
-def _pick_backend(device: torch.device) -> str:
-    if device.type == "cuda":
-        if _flash_attn() is not None:
-            return "flash_attn"
-        if _torch_varlen() is not None:
-            return "torch_varlen"
-    return "sdpa"
+# What each backend can honour besides plain (causal or full) attention; "auto" takes the first in this order
+# that honours every feature a call asks for, and an explicit backend that cannot honour one raises.
+_FEATURES = {
+    "flash_attn": {"window", "softcap"},
+    "torch_varlen": {"window"},  # window_size exists from torch 2.12 (see _torch_varlen_window)
+    "sdpa": {"window"},
+    "math": {"window", "sinks", "softcap"},
+}
 
 
-def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, causal=True, scale=None, prefix_groups=None, backend="auto"):
+def _torch_varlen_window() -> bool:
+    fn = _torch_varlen()
+    return fn is not None and "window_size" in inspect.signature(fn).parameters
+
+
+def _pick_backend(device: torch.device, features: set) -> str:
+    order = ["flash_attn", "torch_varlen"] if device.type == "cuda" else []
+    for name in [*order, "sdpa", "math"]:
+        if name == "flash_attn" and _flash_attn() is None or name == "torch_varlen" and _torch_varlen() is None:
+            continue
+        if features <= _supported(name):
+            return name
+    raise AssertionError("unreachable: the math backend honours every feature")
+
+
+def _supported(backend: str) -> set:
+    if backend == "torch_varlen" and not _torch_varlen_window():
+        return set()
+    return _FEATURES[backend]
+
+
+def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, causal=True, scale=None, window=None, sinks=None,
+                     softcap=None, prefix_groups=None, backend="auto"):  # fmt: skip
     """Attention within each packed sequence.
 
     Args:
@@ -59,11 +82,21 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, causal=True, scale=None
         cu_seqlens: int32/int64 `[num_seqs + 1]`, rising from 0 to T. max_seqlen: the longest sequence.
         causal: each token attends to itself and earlier tokens of its own sequence only (else: its whole sequence).
         scale: softmax scale (default head_dim ** -0.5).
+        window: sliding-window attention, transformers' `sliding_window`: causal, a token attends to the `window`
+            most recent positions of its sequence, itself included (`0 <= i - j < window`); not causal,
+            to positions within distance `window` (`|i - j| <= window`). None: unlimited.
+        sinks: `[num_heads]` attention-sink logits (GPT-OSS `s_aux`): one extra logit per head in every softmax
+            denominator, attached to no value: `p_ij = exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij))`.
+        softcap: attention-logit soft-capping (Gemma 2 `attn_logit_softcapping`): `s -> softcap * tanh(s / softcap)`
+            after scaling, before the mask.
         prefix_groups: shared-prompt segments (grpo_kernels.packing, shared_prefix=True): per segment
             (prompt start, prompt end, ((completion start, end), ...)). The prompt attends causally to itself;
-            each completion to the whole prompt and causally to itself, not to the other completions. Runs as
-            two-part SDPA (prompt self-attention, then each completion over [prompt keys, own keys]).
-        backend: "auto", "flash_attn", "torch_varlen" or "sdpa".
+            each completion to the whole prompt and causally to itself, not to the other completions; positions
+            (for `window`) count a completion as following its prompt. Runs per segment on "sdpa" or "math".
+        backend: "auto", "flash_attn", "torch_varlen", "sdpa" (SDPA once per sequence) or "math" (explicit
+            scores per sequence, fp32: the only one honouring `sinks`). "auto" takes flash_attn, torch_varlen
+            (CUDA, when installed), sdpa, math: the first that honours every feature asked for. An explicit backend
+            that cannot honour one raises ValueError naming it: nothing is dropped silently.
 
     Returns:
         `[T, num_heads, head_dim]`.
@@ -73,31 +106,70 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, causal=True, scale=None
                          f"{tuple(v.shape)}")  # fmt: skip
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"num_heads {q.shape[1]} must be a multiple of num_kv_heads {k.shape[1]}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap!r}")
+    if sinks is not None and (sinks.shape != (q.shape[1],) or not sinks.is_floating_point()):
+        raise ValueError(f"sinks must be a float [num_heads={q.shape[1]}] tensor, got {sinks.dtype} "
+                         f"{tuple(sinks.shape)}")  # fmt: skip
+    features = {name for name, x in (("window", window), ("sinks", sinks), ("softcap", softcap)) if x is not None}
+    if backend != "auto" and backend not in _FEATURES:
+        raise ValueError(f"backend must be 'auto', {', '.join(map(repr, _FEATURES))}, got {backend!r}")
     if prefix_groups is not None:
         if not causal:
             raise ValueError("prefix_groups go with causal attention")
-        return _shared_prefix_attention(q, k, v, prefix_groups, scale)
-    if backend == "auto":
-        backend = _pick_backend(q.device)
+        if backend not in ("auto", "sdpa", "math"):
+            raise ValueError(f"prefix_groups run on the 'sdpa' or 'math' backend, not {backend!r}")
+    elif backend == "auto":
+        backend = _pick_backend(q.device, features)
+    if backend != "auto" and not features <= _supported(backend):
+        missing = ", ".join(sorted(features - _supported(backend)))
+        raise ValueError(f"backend {backend!r} cannot honour {missing} (installed versions): use backend='math'")
+    opts = dict(causal=causal, scale=scale, window=window, sinks=sinks, softcap=softcap)
+    if prefix_groups is not None:
+        return _shared_prefix_attention(q, k, v, prefix_groups, math=backend == "math", **opts)
     if backend == "flash_attn":
         cu = cu_seqlens.to(torch.int32)
-        return _flash_attn()(q, k, v, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale, causal=causal)
+        extra = {"window_size": _window_size(window, causal)} if window is not None else {}
+        if softcap is not None:
+            extra["softcap"] = softcap
+        return _flash_attn()(q, k, v, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale, causal=causal, **extra)
     if backend == "torch_varlen":
         fn = _torch_varlen()
         cu = cu_seqlens.to(torch.int32)
-        params = inspect.signature(fn).parameters
-        extra = {"is_causal": causal} if "is_causal" in params else {"window_size": (-1, 0) if causal else (-1, -1)}
+        extra = {"is_causal": causal} if not _torch_varlen_window() else {"window_size": _window_size(window, causal)}
         if q.shape[1] != k.shape[1]:
             extra["enable_gqa"] = True
         return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, **extra)
-    if backend != "sdpa":
-        raise ValueError(f"backend must be 'auto', 'flash_attn', 'torch_varlen' or 'sdpa', got {backend!r}")
     out = torch.empty_like(q)
     bounds = cu_seqlens.tolist()
     for s, e in zip(bounds[:-1], bounds[1:], strict=True):
         if e > s:
-            out[s:e] = _sdpa(q[s:e], k[s:e], v[s:e], scale, causal=causal)
+            pos = torch.arange(e - s, device=q.device)
+            out[s:e] = _attend(q[s:e], k[s:e], v[s:e], pos, pos, math=backend == "math", **opts)
     return out
+
+
+def _window_size(window, causal):
+    """flash-attn's (left, right) window for `window`; (-1, -1) is unlimited."""
+    if window is None:
+        return (-1, 0) if causal else (-1, -1)
+    return (window - 1, 0) if causal else (window, window)
+
+
+def _attend(q, k, v, q_pos, k_pos, *, causal, scale, window, sinks, softcap, math=False):
+    """Attention of q over k/v ([L, H, D]) given the positions of each query and key in their sequence."""
+    plain_causal = causal and window is None and q_pos is k_pos
+    mask = None
+    if not plain_causal:
+        dist = q_pos[:, None] - k_pos[None, :]
+        mask = (dist >= 0) if causal else torch.ones_like(dist, dtype=torch.bool)
+        if window is not None:
+            mask &= (dist < window) if causal else (dist.abs() <= window)
+    if not math and sinks is None and softcap is None:
+        return _sdpa(q, k, v, scale, causal=plain_causal, mask=mask)
+    return _math(q, k, v, scale, causal=plain_causal, mask=mask, sinks=sinks, softcap=softcap)
 
 
 def _sdpa(q, k, v, scale, *, causal=False, mask=None):
@@ -109,18 +181,37 @@ def _sdpa(q, k, v, scale, *, causal=False, mask=None):
     return out[0].transpose(0, 1)
 
 
-def _shared_prefix_attention(q, k, v, prefix_groups, scale):
+def _math(q, k, v, scale, *, causal, mask, sinks, softcap):
+    """Explicit scores in fp32 (transformers' eager attention): scale, soft-cap, mask, softmax with sinks, @ v."""
+    heads, rep = q.shape[1], q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * (scale if scale is not None else q.shape[2] ** -0.5)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if causal:
+        mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.float().view(heads, 1, 1).expand(heads, q.shape[0], 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
+
+
+def _shared_prefix_attention(q, k, v, prefix_groups, *, causal, math, **opts):
     out = torch.empty_like(q)
     for p0, p1, completions in prefix_groups:
-        out[p0:p1] = _sdpa(q[p0:p1], k[p0:p1], v[p0:p1], scale, causal=True)
+        prompt_pos = torch.arange(p1 - p0, device=q.device)
+        out[p0:p1] = _attend(q[p0:p1], k[p0:p1], v[p0:p1], prompt_pos, prompt_pos, causal=True, math=math, **opts)
         for s, e in completions:
             if e == s:
                 continue
-            n, lp = e - s, p1 - p0
-            mask = torch.ones(n, lp + n, dtype=torch.bool, device=q.device)
-            mask[:, lp:] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+            own_pos = torch.arange(p1 - p0, p1 - p0 + e - s, device=q.device)
             kk, vv = torch.cat([k[p0:p1], k[s:e]]), torch.cat([v[p0:p1], v[s:e]])
-            out[s:e] = _sdpa(q[s:e], kk, vv, scale, mask=mask)
+            out[s:e] = _attend(q[s:e], kk, vv, own_pos, torch.cat([prompt_pos, own_pos]), causal=True, math=math,
+                               **opts)  # fmt: skip
     return out
 
 
@@ -132,8 +223,45 @@ def _cu_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([starts, starts.new_tensor([flat.numel()])])
 
 
+# Keyword arguments transformers passes to attention functions that do not change the attention (the packing ones
+# are read below); any other one with a value is refused rather than dropped.
+_HF_PASSIVE_KWARGS = {"use_cache", "output_attentions", "output_hidden_states", "output_router_logits",
+                      "num_items_in_batch", "seq_idx", "position_ids", "cu_seq_lens_k", "max_length_k"}  # fmt: skip
+_HF_READ_KWARGS = {"cu_seq_lens_q", "max_length_q", "sliding_window", "s_aux", "softcap", "prefix_groups"}
+# Config fields whose attention pattern reaches the attention function only through a mask, which packed attention
+# does not build: refused (Llama 4's chunked attention).
+_HF_MASK_ONLY_FIELDS = ("attention_chunk_size",)
+
+
+def _check_hf_call(module, kwargs):
+    config = getattr(module, "config", None)
+    for name in _HF_MASK_ONLY_FIELDS:
+        if getattr(config, name, None) is not None:
+            raise NotImplementedError(
+                f"the model config sets {name}={getattr(config, name)!r}: attn_implementation={HF_ATTENTION_NAME!r} "
+                "cannot honour it (it lives in the attention mask, which packed attention does not build)"
+            )
+    if "sliding_window" not in kwargs and getattr(config, "sliding_window", None):
+        raise NotImplementedError(
+            f"{type(module).__name__} applies the config's sliding_window={config.sliding_window} only through its "
+            f"attention mask, which attn_implementation={HF_ATTENTION_NAME!r} does not build: it cannot honour it"
+        )
+    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _HF_PASSIVE_KWARGS | _HF_READ_KWARGS)
+    if unknown:
+        raise NotImplementedError(
+            f"{type(module).__name__} passes {', '.join(unknown)} to its attention function: "
+            f"attn_implementation={HF_ATTENTION_NAME!r} does not know what it changes, so it refuses to drop it"
+        )
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_k is not None and (cu_q is None or not torch.equal(cu_q.to(cu_k.device), cu_k)):
+        raise ValueError("packed attention needs cu_seq_lens_k equal to cu_seq_lens_q (self-attention)")
+
+
 def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """transformers' attention-function contract: q [B, H, L, D], k/v [B, H_kv, L, D] -> ([B, L, H, D], None)."""
+    """transformers' attention-function contract: q [B, H, L, D], k/v [B, H_kv, L, D] -> ([B, L, H, D], None).
+
+    Honours the per-layer `sliding_window`, `s_aux` (attention sinks) and `softcap` that models pass; refuses
+    anything else that would change the attention (see _check_hf_call)."""
     if attention_mask is not None:
         raise ValueError(
             f"attn_implementation={HF_ATTENTION_NAME!r} runs packed batches (input_ids [1, T] with position_ids reset "
@@ -141,6 +269,7 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
         )
     if dropout:
         raise ValueError(f"attn_implementation={HF_ATTENTION_NAME!r} has no attention dropout")
+    _check_hf_call(module, kwargs)
     b, _, length, _ = query.shape
     cu = kwargs.get("cu_seq_lens_q")
     max_len = kwargs.get("max_length_q")
@@ -156,8 +285,18 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     flat = lambda x: x.transpose(1, 2).reshape(b * length, x.shape[1], x.shape[3])  # noqa: E731
     out = varlen_attention(flat(query), flat(key), flat(value), cu, max_len, causal=causal, scale=scaling,
-                           prefix_groups=kwargs.get("prefix_groups"))  # fmt: skip
+                           window=kwargs.get("sliding_window"), sinks=kwargs.get("s_aux"),
+                           softcap=kwargs.get("softcap"), prefix_groups=kwargs.get("prefix_groups"))  # fmt: skip
     return out.reshape(b, length, query.shape[1], query.shape[3]), None
+
+
+def check_packed_attention(model) -> None:
+    """Raise NotImplementedError now, not at the first training step, if `model` (an HF causal LM built with
+    attn_implementation "grpo_varlen") has attention that packed attention cannot honour: runs its decoder body on
+    two packed one-token sequences, without gradients."""
+    ids = torch.zeros(1, 2, dtype=torch.long, device=model.device)
+    with torch.no_grad():
+        model.base_model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
 
 
 def register_hf_attention() -> str:

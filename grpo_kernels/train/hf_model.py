@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ..attention import HF_ATTENTION_NAME, register_hf_attention
+from ..attention import HF_ATTENTION_NAME, check_packed_attention, register_hf_attention
 from .tasks import CharTokenizer, tiny_model
 
 __all__ = ["HFTokenizer", "load_policy", "write_tiny_checkpoint"]
@@ -137,7 +137,8 @@ def load_policy(path, *, dtype="float32", attn_implementation: str = HF_ATTENTIO
     Raises:
         ValueError (one line) when the path is not a directory, has no config.json or one that is not a causal LM's,
         has no tokenizer, has weights that cannot be read or miss some of the model's, or when the tokenizer has more
-        tokens than the model's embedding has rows.
+        tokens than the model's embedding has rows, or with "grpo_varlen" when the model's attention has a feature
+        packed attention cannot honour (see grpo_kernels.attention.check_packed_attention).
     """
     from transformers import AutoModelForCausalLM
 
@@ -165,6 +166,11 @@ def load_policy(path, *, dtype="float32", attn_implementation: str = HF_ATTENTIO
     if tokenizer.vocab_size > rows:
         raise ValueError(f"the tokenizer in {directory} has {tokenizer.vocab_size} tokens but the model's embedding "
                          f"only {rows} rows")  # fmt: skip
+    if attn_implementation == HF_ATTENTION_NAME:
+        try:
+            check_packed_attention(model)
+        except NotImplementedError as exc:
+            raise ValueError(f"the model in {directory} cannot run packed: {exc}") from exc
     tokenizer.stop_ids = tuple(dict.fromkeys([tokenizer.eos_id, *_generation_eos_ids(model)]))
     return model, tokenizer
 

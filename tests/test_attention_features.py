@@ -1,0 +1,179 @@
+"""Packed attention honours sliding windows, attention sinks and logit soft-capping, or refuses the model.
+
+`varlen_attention` is checked against dense attention written out here (one [T, T] mask over the whole packed
+batch); the HF hook against each architecture's own eager attention on every sequence run alone, on tiny models
+built from a config with windows shorter than the sequences, sinks and soft-capping scaled up so that an ignored
+feature shows (it did: per-token log-prob errors of 0.4 to 1.8 before).
+"""
+
+import pytest
+import torch
+from helpers import assert_close
+
+import grpo_kernels as gk
+from grpo_kernels.attention import check_packed_attention, register_hf_attention, varlen_attention
+from grpo_kernels.packing import pack_sequences
+
+transformers = pytest.importorskip("transformers")
+
+V = 97
+
+
+def dense_attention(q, k, v, cu, *, causal, window, sinks, softcap):
+    """Every token against every token of the packed batch, masked to its own sequence (and window), in fp64."""
+    t = q.shape[0]
+    seq = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu.diff())
+    pos = torch.arange(t) - cu[seq]
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    s = torch.einsum("qhd,khd->hqk", q.double(), k) * q.shape[2] ** -0.5
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    dist = pos[:, None] - pos[None, :]
+    allowed = seq[:, None] == seq[None, :]
+    if causal:
+        allowed &= dist >= 0
+    if window is not None:
+        allowed &= (dist < window) if causal else (dist.abs() <= window)
+    s = s.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.double()[:, None, None].expand(-1, t, 1)], -1)
+    p = torch.softmax(s, -1)[..., :t]
+    return torch.einsum("hqk,khd->qhd", p, v)
+
+
+FEATURES = [
+    dict(window=None, sinks=False, softcap=None),
+    dict(window=3, sinks=False, softcap=None),
+    dict(window=1, sinks=False, softcap=None),
+    dict(window=None, sinks=True, softcap=None),
+    dict(window=None, sinks=False, softcap=0.7),
+    dict(window=4, sinks=True, softcap=0.7),
+]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("feat", FEATURES, ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
+@pytest.mark.parametrize("backend", ["auto", "sdpa", "math"])
+def test_varlen_attention_honours_window_sinks_softcap_forward_and_backward(backend, feat, causal):
+    cu = torch.tensor([0, 9, 9, 10, 23])  # an empty and a one-token sequence, windows shorter than the others
+    q = (2 * torch.randn(23, 4, 16)).requires_grad_()
+    k, v = torch.randn(23, 2, 16, requires_grad=True), torch.randn(23, 2, 16, requires_grad=True)
+    sinks = torch.randn(4, requires_grad=True) if feat["sinks"] else None
+    opts = dict(causal=causal, window=feat["window"], sinks=sinks, softcap=feat["softcap"])
+    if backend == "sdpa" and (sinks is not None or feat["softcap"] is not None):
+        with pytest.raises(ValueError, match="cannot honour"):
+            varlen_attention(q, k, v, cu, 13, backend=backend, **opts)
+        return
+    out = varlen_attention(q, k, v, cu, 13, backend=backend, **opts)
+    ref = dense_attention(q, k, v, cu, **opts)
+    assert_close(out, ref.float(), name="forward", atol=2e-5, rtol=2e-5)
+    w = torch.randn_like(out)
+    inputs = [x for x in (q, k, v, sinks) if x is not None]
+    got = torch.autograd.grad((out * w).sum(), inputs)
+    want = torch.autograd.grad((ref * w.double()).sum(), inputs)
+    for name, g, r in zip("qkvs", got, want, strict=False):
+        assert_close(g, r.float(), name=f"grad {name}", atol=2e-5, rtol=2e-5)
+
+
+def test_varlen_attention_refuses_bad_feature_arguments():
+    q = k = v = torch.randn(5, 2, 8)
+    cu = torch.tensor([0, 5])
+    for kwargs, match in [(dict(window=0), "window"), (dict(window=2.5), "window"), (dict(softcap=0.0), "softcap"),
+                          (dict(sinks=torch.zeros(3)), "sinks"), (dict(backend="flash"), "backend")]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            varlen_attention(q, k, v, cu, 5, **kwargs)
+
+
+# Tiny configs of the decoders transformers ships with windowed, sink or soft-capped attention (and plain ones):
+# window 8 against sequences of up to 34 tokens.
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", dict(sliding_window=8)),
+    "qwen2": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    "qwen3": ("Qwen3Config", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    "phi3": ("Phi3Config", dict(sliding_window=8)),
+    "starcoder2": ("Starcoder2Config", dict(sliding_window=8)),
+    "gemma2": ("Gemma2Config", dict(sliding_window=8, attn_logit_softcapping=2.0, final_logit_softcapping=None)),
+    "gemma3_text": ("Gemma3TextConfig", dict(sliding_window=8, final_logit_softcapping=None)),
+    "cohere2": ("Cohere2Config", dict(sliding_window=8)),
+    "gpt_oss": ("GptOssConfig", dict(sliding_window=8, num_local_experts=2, num_experts_per_tok=1)),
+    "olmo3": ("Olmo3Config", dict(sliding_window=8)),
+    "exaone4": ("Exaone4Config", dict(sliding_window=8)),
+}
+REFUSED = {
+    "llama4_text": ("Llama4TextConfig", dict(attention_chunk_size=8, num_local_experts=2, intermediate_size_mlp=96),
+                    "attention_chunk_size"),
+    "phimoe": ("PhimoeConfig", dict(sliding_window=8, num_local_experts=2), "sliding_window=8 only through its"),
+}
+
+
+def build(kind, attn):
+    cls, extra = {**ARCHITECTURES, **{k: v[:2] for k, v in REFUSED.items()}}[kind]
+    common = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    config = getattr(transformers, cls)(**common, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+    with torch.no_grad():  # sharper attention, so that a dropped window / sink / cap moves the log-probs
+        for name, p in model.named_parameters():
+            if "sinks" in name:
+                p.normal_(0.0, 1.0)
+            elif p.dim() >= 2:
+                p.mul_(3.0)
+    return model.eval()
+
+
+def samples():
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, V, (n,), generator=g) for n in (5, 5, 9)]
+    prompts[1] = prompts[0]
+    completions = [torch.randint(3, V, (n,), generator=g) for n in (20, 14, 25)]
+    return prompts, completions, [0, 0, 1]
+
+
+@pytest.mark.parametrize("layout", ["packed", "shared_prefix"])
+@pytest.mark.parametrize("kind", sorted(ARCHITECTURES))
+def test_packed_logprobs_and_grads_equal_eager_alone(kind, layout):
+    register_hf_attention()
+    eager, packed_model = build(kind, "eager"), build(kind, "grpo_varlen")
+    prompts, completions, groups = samples()
+    w = torch.randn(sum(c.numel() for c in completions))
+
+    alone = []
+    for p, c in zip(prompts, completions, strict=True):
+        logits = eager(input_ids=torch.cat([p, c])[None], use_cache=False).logits[0, p.numel() - 1 : -1]
+        alone.append(torch.log_softmax(logits, -1).gather(-1, c[:, None])[:, 0])
+    ref = torch.cat(alone)
+    (ref * w).sum().backward()
+
+    batch = pack_sequences(prompts, completions, shared_prefix=layout == "shared_prefix", group_ids=groups)
+    logits = packed_model(**batch.model_kwargs()).logits[0]
+    got = gk.selective_logprobs(logits[batch.logit_rows], batch.completion_ids)
+    (got * w).sum().backward()
+
+    assert_close(got, ref, name=f"{kind} {layout} log-probs", atol=5e-5, rtol=1e-5)
+    grads = dict(eager.named_parameters())
+    for name, p in packed_model.named_parameters():
+        assert_close(p.grad, grads[name].grad, name=f"{kind} {layout} grad {name}", atol=5e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", sorted(REFUSED))
+def test_attention_packing_cannot_honour_is_refused_naming_the_feature(kind):
+    register_hf_attention()
+    model = build(kind, "grpo_varlen")
+    with pytest.raises(NotImplementedError, match=REFUSED[kind][2]):
+        check_packed_attention(model)
+    batch = pack_sequences(*samples()[:2])
+    with pytest.raises(NotImplementedError, match=REFUSED[kind][2]):
+        model(**batch.model_kwargs())
+
+
+def test_unknown_attention_argument_is_refused_not_dropped():
+    register_hf_attention()
+    model = build("llama", "grpo_varlen")
+    check_packed_attention(model)  # a plain decoder passes
+    batch = pack_sequences(*samples()[:2])
+    with pytest.raises(NotImplementedError, match="position_bias"):
+        model(**batch.model_kwargs(), position_bias=torch.zeros(1))

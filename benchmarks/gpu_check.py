@@ -144,9 +144,21 @@ def check_cases(env):
         backend = "sdpa" if env.dry else "auto"  # auto: flash-attn or torch varlen when the card has them
         return [rel_err(varlen_attention(q, k, v, cu, max(lengths), backend=backend), want)]
 
+    def attention_features(dtype):  # sliding window, sinks, soft-capping: whichever backend honours them all
+        lengths = [1, 77, 300]
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=dev)
+        q, k, v = (torch.randn(int(cu[-1]), h, 64).to(dev, dtype) for h in (8, 2, 2))
+        sinks = torch.randn(8, device=dev)
+        errs = []
+        for opts in (dict(window=37), dict(window=37, sinks=sinks, softcap=5.0)):
+            want = varlen_attention(q.double(), k.double(), v.double(), cu, max(lengths), backend="math",
+                                    **{n: x.double() if torch.is_tensor(x) else x for n, x in opts.items()})
+            errs.append(rel_err(varlen_attention(q, k, v, cu, max(lengths), **opts), want))
+        return errs
+
     for name, fn in [("group_advantages", advantages), ("selective_logprobs", logprobs), ("grpo_loss", loss),
                      ("grpo_loss_from_logits", from_logits), ("fused_linear_grpo_loss", fused_linear),
-                     ("varlen_attention", attention)]:  # fmt: skip
+                     ("varlen_attention", attention), ("varlen_attention_features", attention_features)]:  # fmt: skip
         for dtype in (torch.float32, torch.bfloat16):
             cases.append((name, dtype, fn))
     return cases

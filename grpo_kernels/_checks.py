@@ -31,6 +31,7 @@ def check_cu_seqlens(cu_seqlens, total: int, device: torch.device, *, max_seqlen
         raise ValueError(f"cu_seqlens must be a 1-D tensor [num_sequences + 1], got shape {tuple(cu_seqlens.shape)}")
     if cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but the data are on {device}")
+    check_device(device, "cu_seqlens")
     if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0):
         raise ValueError(f"max_seqlen must be an int >= 0, got {max_seqlen!r}")
     if torch.compiler.is_compiling():
@@ -43,6 +44,17 @@ def check_cu_seqlens(cu_seqlens, total: int, device: torch.device, *, max_seqlen
     if max_seqlen is not None and max_seqlen < longest:
         raise ValueError(f"max_seqlen={max_seqlen} is shorter than the longest sequence ({longest})")
     return longest if max_seqlen is None else max_seqlen
+
+
+def check_device(device: torch.device, what: str) -> None:
+    """A device grpo_kernels runs on (checked before anything reads values: meta tensors have none)."""
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{what} are on {device}: grpo_kernels runs CPU and CUDA tensors only")
+
+
+def check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
 
 
 def check_temperature(temperature) -> None:
@@ -63,6 +75,7 @@ def check_ids(ids, shape, device: torch.device, vocab: int, source: str) -> None
         raise ValueError(f"ids must have shape {tuple(shape)} ({source}), got {tuple(ids.shape)}")
     if ids.device != device:
         raise ValueError(f"ids are on {ids.device} but the {source.split()[0]} are on {device}")
+    check_device(device, "ids")
     if ids.numel() and not torch.compiler.is_compiling():
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab:

@@ -50,7 +50,7 @@ def _weights(reward_weights, k: int, one_dim: bool, device) -> torch.Tensor:
         return torch.ones(k, dtype=torch.float32, device=device)
     if isinstance(reward_weights, torch.Tensor):
         w = reward_weights.to(device=device, dtype=torch.float32)
-    elif isinstance(reward_weights, Sequence):
+    elif isinstance(reward_weights, Sequence) and not isinstance(reward_weights, (str, bytes)):
         w = torch.tensor([float(x) for x in reward_weights], dtype=torch.float32, device=device)
     else:
         raise ValueError(f"reward_weights must be a tensor or a sequence of numbers, got {type(reward_weights)}")

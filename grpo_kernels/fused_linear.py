@@ -21,7 +21,7 @@ from functools import partial
 import torch
 
 from . import _C, reference
-from ._checks import check_ids, check_impl, check_temperature
+from ._checks import check_flag, check_ids, check_impl, check_temperature
 from .loss import _check_tensor, _finish, _flat, _layout, _options, grpo_loss
 from .ops import logprobs as _lp_ops
 from .ops import loss as _loss_ops
@@ -185,6 +185,7 @@ def fused_linear_logprobs(hidden, weight, ids, *, bias=None, temperature=1.0, re
     """
     _check_linear(hidden, weight, bias, ids, temperature, impl)
     check_impl(impl, hidden.device, "hidden")
+    check_flag("return_entropy", return_entropy)
     shape, h2, ids_flat = ids.shape, hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1).long()
     if impl == "reference":
         with torch.no_grad():
@@ -264,6 +265,7 @@ def fused_linear_grpo_loss(
     """
     _check_linear(hidden, weight, bias, ids, temperature, impl)
     check_impl(impl, hidden.device, "hidden")
+    check_flag("return_entropy", return_entropy)
     unknown = set(options) - _LOSS_OPTIONS
     if unknown:
         raise TypeError(f"fused_linear_grpo_loss got unknown option(s) {sorted(unknown)}")
@@ -281,10 +283,9 @@ def fused_linear_grpo_loss(
     _options(*(opts[k] for k in _OPTION_ORDER))
     shape_ref = torch.empty((), dtype=torch.float32, device=hidden.device).expand(ids.shape)
     b, cu, max_len, adv_per_token = _layout(shape_ref, advantages, opts["mask"], opts["cu_seqlens"], opts["max_seqlen"])
-    use_ref = opts["beta"] != 0.0
     for name, key in (("old_logps", None), ("ref_logps", "ref_logps"), ("sampler_logps", "sampler_logps")):
         x = old_logps if key is None else opts[key]
-        if x is not None and (key != "ref_logps" or use_ref):
+        if x is not None:
             _check_tensor(name, x, shape_ref)
     backend = "triton" if impl == "triton" or hidden.is_cuda else "cpp"
     rows_per_chunk = _chunk_rows(chunk_tokens, weight.shape[0], hidden.itemsize)
@@ -321,7 +322,7 @@ def _run(hidden, weight, bias, needs, *, ids, ids_shape, advantages, old_logps, 
         finish = dict(loss_type=opts["loss_type"], seq_level=False, epsilon_low=opts["epsilon_low"],
                       epsilon_high=opts["epsilon_high"], delta=opts["delta"], beta=opts["beta"],
                       sampler=opts["sampler_logps"] is not None, max_completion_length=opts["max_completion_length"],
-                      max_seqlen=max_len, num_items_in_batch=opts["num_items_in_batch"])  # fmt: skip
+                      cu_seqlens=cu, num_items_in_batch=opts["num_items_in_batch"])  # fmt: skip
         kernel = (_loss_ops.LOSS_FAMILIES[opts["loss_type"]], False,
                   _loss_ops.SAMPLER_MODES.get(opts["sampler_is_mode"], 0), float(opts["epsilon_low"]),
                   float(opts["epsilon_high"]), math.inf if opts["delta"] is None else float(opts["delta"]),

@@ -3,7 +3,7 @@
 import torch
 
 from . import reference
-from ._checks import check_cu_seqlens, check_ids, check_impl, check_temperature
+from ._checks import check_cu_seqlens, check_flag, check_ids, check_impl, check_temperature
 from .ops import logprobs as _ops
 
 __all__ = ["selective_logprobs"]
@@ -20,8 +20,7 @@ def _check(logits, ids, temperature, cu_seqlens, impl, flags):
     check_ids(ids, logits.shape[:-1], logits.device, logits.shape[-1], "logits without V")
     check_temperature(temperature)
     for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be a bool, got {value!r}")
+        check_flag(name, value)
     check_impl(impl, logits.device, "logits")
     if cu_seqlens is not None:
         if logits.dim() != 2:
@@ -61,7 +60,12 @@ def selective_logprobs(
     _check(logits, ids, temperature, cu_seqlens, impl, flags)
     shape = ids.shape
     flat = logits.reshape(-1, logits.shape[-1])
-    if flat.shape[0] and flat.stride(-1) != 1:
+    shared_rows = flat.shape[0] > 1 and flat.stride(0) < flat.shape[1]  # e.g. an expand(): rows overlap
+    if inplace_backward and shared_rows:
+        raise ValueError(f"inplace_backward=True writes d logits over the logits, whose rows share memory here "
+                         f"(row stride {flat.stride(0)} < V={flat.shape[1]}, e.g. an expand()): pass contiguous "
+                         "logits or inplace_backward=False")  # fmt: skip
+    if flat.shape[0] and (flat.stride(-1) != 1 or shared_rows):
         flat = flat.contiguous()
     flat_ids = ids.reshape(-1).to(torch.int64).contiguous()
     temperature = float(temperature)

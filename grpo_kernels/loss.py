@@ -54,6 +54,10 @@ def _options(loss_type, epsilon_low, epsilon_high, delta, beta, importance_sampl
     if isinstance(num_items_in_batch, torch.Tensor):
         if num_items_in_batch.numel() != 1:
             raise ValueError(f"num_items_in_batch must be a scalar, got shape {tuple(num_items_in_batch.shape)}")
+        if num_items_in_batch.device.type == "meta":
+            raise ValueError("num_items_in_batch is a meta tensor: it has no value")
+        if not torch.compiler.is_compiling():  # one scalar host read (TRL's value lives on the device)
+            _number("num_items_in_batch", num_items_in_batch.item(), low=0.0, low_open=True)
     else:
         _number("num_items_in_batch", num_items_in_batch, low=0.0, low_open=True, allow_none=True)
     if (sampler_logps is None) != (sampler_is_mode is None):
@@ -125,8 +129,11 @@ def _flat(x):
 
 
 def _finish(stats, advantages_per_seq, *, loss_type, seq_level, epsilon_low, epsilon_high, delta, beta, sampler,
-            max_completion_length, max_seqlen, num_items_in_batch):  # fmt: skip
-    """stats [B, NUM_STATS] -> (loss with TRL's normalizer, metrics dict of 0-d tensors). Few, small ops."""
+            max_completion_length, cu_seqlens, num_items_in_batch):  # fmt: skip
+    """stats [B, NUM_STATS] -> (loss with TRL's normalizer, metrics dict of 0-d tensors). Few, small ops.
+
+    dr_grpo's constant without max_completion_length is the longest sequence, taken from cu_seqlens on the device
+    (L for padded input): never the caller's max_seqlen, which only bounds the lengths."""
     b = stats.shape[0]
     plain = stats.detach()
     totals = plain.sum(0)
@@ -137,7 +144,8 @@ def _finish(stats, advantages_per_seq, *, loss_type, seq_level, epsilon_low, eps
     elif loss_type == "bnpo":
         loss = loss_sums.sum() / tokens
     elif loss_type == "dr_grpo":
-        loss = loss_sums.sum() / (b * (max_completion_length or max_seqlen))
+        longest = max_completion_length or cu_seqlens.diff().max().to(totals)
+        loss = loss_sums.sum() / (b * longest)
     elif num_items_in_batch is None:
         loss = loss_sums.sum() / tokens
     else:
@@ -213,9 +221,11 @@ def grpo_loss(
         advantages: per sequence `[B]` or per token (the shape of logps; read per token when both fit).
         ref_logps: the reference model's log-probs; required when beta > 0.
         mask: 0/1 (or weights) of the shape of logps; None = every token counts.
-        cu_seqlens: `[B + 1]` int32/int64 boundaries of packed sequences. max_seqlen: their longest length
-            (computed from cu_seqlens when not given).
-        max_completion_length: dr_grpo's constant (default: L, or the longest packed sequence).
+        cu_seqlens: `[B + 1]` int32/int64 boundaries of packed sequences. max_seqlen: a bound on their lengths
+            (>= the longest; computed from cu_seqlens when not given) that sizes the kernels' grids only: it never
+            changes the result.
+        max_completion_length: dr_grpo's constant (TRL: the generation budget). Default: L for padded input, the
+            longest packed sequence (from cu_seqlens, whatever max_seqlen says) for packed input.
         num_items_in_batch: what dapo/cispo divide the masked sum by (TRL passes the generation batch's token
             count rescaled to one accumulation window); default: this micro-batch's token count.
         sampler_logps, sampler_is_mode, sampler_is_cap: the truncated importance-sampling correction for the
@@ -232,8 +242,7 @@ def grpo_loss(
              sapo_temperature_pos, sapo_temperature_neg, ref_logps)  # fmt: skip
     b, cu, max_len, adv_per_token = _layout(logps, advantages, mask, cu_seqlens, max_seqlen)
     use_ref = beta != 0.0
-    for name, x in (("old_logps", old_logps), ("ref_logps", ref_logps if use_ref else None),
-                    ("sampler_logps", sampler_logps)):  # fmt: skip
+    for name, x in (("old_logps", old_logps), ("ref_logps", ref_logps), ("sampler_logps", sampler_logps)):
         if x is not None:
             _check_tensor(name, x, logps)
     check_impl(impl, logps.device, "logps")
@@ -262,7 +271,7 @@ def grpo_loss(
     return _finish(
         stats, None if adv_per_token else advantages, loss_type=loss_type, seq_level=seq_level,
         epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta, sampler=sampler_logps is not None,
-        max_completion_length=max_completion_length, max_seqlen=max_len, num_items_in_batch=num_items_in_batch,
+        max_completion_length=max_completion_length, cu_seqlens=cu, num_items_in_batch=num_items_in_batch,
     )  # fmt: skip
 
 

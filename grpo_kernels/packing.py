@@ -15,6 +15,7 @@ prompt's last token for the first one), so with the last hidden states `h` [T, H
 Token-budget micro-batches across ranks come from `grpo_kernels.planner.plan_micro_batches`.
 """
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -93,10 +94,20 @@ class PackedBatch:
 
 
 def _as_ids(x, what: str, i: int) -> torch.Tensor:
-    t = x if isinstance(x, torch.Tensor) else torch.as_tensor(list(x), dtype=torch.int64)
-    if t.dim() != 1 or (t.numel() and t.is_floating_point()):
-        raise ValueError(f"{what}[{i}] must be a 1-D sequence of token ids, got shape {tuple(t.shape)} {t.dtype}")
+    t = x if isinstance(x, torch.Tensor) else torch.as_tensor(list(x))
+    if t.dim() != 1 or (t.numel() and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)):
+        raise ValueError(f"{what}[{i}] must be a 1-D sequence of integer token ids, got shape {tuple(t.shape)} "
+                         f"{t.dtype}")  # fmt: skip
     return t.to(torch.int64).cpu()
+
+
+def _group_id(g, i: int) -> int:
+    if isinstance(g, bool) or (isinstance(g, torch.Tensor) and (g.is_floating_point() or g.dtype == torch.bool)):
+        raise ValueError(f"group_ids[{i}] must be an integer, got {g!r}")
+    try:
+        return operator.index(g)
+    except TypeError:
+        raise ValueError(f"group_ids[{i}] must be an integer, got {g!r}") from None
 
 
 def _groups(group_ids, prompts) -> list[list[int]]:
@@ -104,7 +115,7 @@ def _groups(group_ids, prompts) -> list[list[int]]:
         raise ValueError("shared_prefix=True needs group_ids, one per sample")
     order: dict = {}
     for i, g in enumerate(group_ids):
-        order.setdefault(int(g), []).append(i)
+        order.setdefault(_group_id(g, i), []).append(i)
     for members in order.values():
         if any(not torch.equal(prompts[i], prompts[members[0]]) for i in members):
             raise ValueError(f"samples {members} share a group id but not their prompt")

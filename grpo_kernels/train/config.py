@@ -242,6 +242,10 @@ class SamplingConfig:
     """Nucleus sampling mass, 0 < top_p <= 1 (1 = off)."""
     hf_max_batch_rows: int = 256
     """The HF sampler generates equal-length prompts together, at most this many completions per `generate` call."""
+    max_step_tokens: int = 1 << 24
+    """Bound on what one step may sample, prompts_per_step * G * max_new_tokens tokens (G: the largest group size,
+    group_size.max_group_size when adaptive): a larger config is refused at load rather than left to run out of
+    memory (or time) in the first rollout. Raise it for runs that really sample more."""
     vllm_gpu_memory_utilization: float = 0.3
     """Share of the GPU's memory the vLLM sampler takes on each rank (weights + KV cache), in (0, 1); on CPU the
     KV cache is VLLM_CPU_KVCACHE_SPACE GiB instead (1 unless set)."""
@@ -249,7 +253,8 @@ class SamplingConfig:
     def __post_init__(self):
         _validate(
             self,
-            at_least={"group_size": 2, "prompts_per_step": 1, "max_new_tokens": 1, "hf_max_batch_rows": 1},
+            at_least={"group_size": 2, "prompts_per_step": 1, "max_new_tokens": 1, "hf_max_batch_rows": 1,
+                      "max_step_tokens": 1},
             choices={"sampler": ("hf", "vllm")},
         )
         _check(self, "temperature", self.temperature > 0, "> 0")
@@ -455,6 +460,14 @@ class TrainConfig:
             raise ValueError(
                 f"group_size.max_group_size must be >= sampling.group_size ({g}) when group_size.adaptive is true, "
                 f"got {gs.max_group_size}"
+            )
+        s = self.sampling
+        g_max = max(g, gs.max_group_size) if gs.adaptive else g
+        if s.prompts_per_step * g_max * s.max_new_tokens > s.max_step_tokens:
+            raise ValueError(
+                f"a step would sample up to prompts_per_step * G * max_new_tokens = {s.prompts_per_step} * {g_max} * "
+                f"{s.max_new_tokens} tokens, more than sampling.max_step_tokens = {s.max_step_tokens} (G: "
+                f"{'group_size.max_group_size' if gs.adaptive else 'sampling.group_size'}): lower it or raise the bound"
             )
         if self.packing.shared_prefix and self.model.attn_implementation != "grpo_varlen":
             raise ValueError(f'packing.shared_prefix needs model.attn_implementation "grpo_varlen" (with '

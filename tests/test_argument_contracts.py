@@ -1,0 +1,142 @@
+"""Arguments that used to be accepted silently (or failed late, or without naming themselves) now either follow
+one documented contract or raise ValueError naming the argument."""
+
+import pytest
+import torch
+from helpers import assert_close
+
+import grpo_kernels as gk
+from grpo_kernels.packing import pack_sequences
+from grpo_kernels.train.config import load_config
+
+
+def packed_batch(lengths=(5, 1, 9, 4)):
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    t = int(cu[-1])
+    logps = (-torch.rand(t)).requires_grad_()
+    return logps, logps.detach() - 0.1 * torch.randn(t), torch.randn(len(lengths)), cu
+
+
+@pytest.mark.parametrize("impl", ["cpp", "triton", "reference-padded"])
+def test_dr_grpo_packed_normaliser_is_the_longest_sequence_whatever_max_seqlen_says(impl, triton_device):
+    logps, old, adv, cu = packed_batch()
+    if impl == "reference-padded":  # the spec on the padded layout: L = the longest sequence (9)
+        rows = [logps[s:e] for s, e in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)]
+        olds = [old[s:e] for s, e in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)]
+        pad = lambda xs: torch.nn.utils.rnn.pad_sequence(xs, batch_first=True)  # noqa: E731
+        mask = pad([torch.ones_like(x) for x in rows])
+        want, _ = gk.reference.grpo_loss(pad(rows), pad(olds), adv, mask=mask, loss_type="dr_grpo")
+    else:
+        dev = triton_device if impl == "triton" else "cpu"
+        logps, old, adv, cu = (x.detach().to(dev) for x in (logps, old, adv, cu))
+        want, _ = gk.grpo_loss(logps, old, adv, cu_seqlens=cu, loss_type="dr_grpo", impl=impl)
+    for bound in (None, 9, 10, 200):
+        got, _ = gk.grpo_loss(logps.detach().to(want.device), old.to(want.device), adv.to(want.device),
+                              cu_seqlens=cu.to(want.device), max_seqlen=bound, loss_type="dr_grpo",
+                              impl="triton" if impl == "triton" else "cpp")  # fmt: skip
+        assert_close(got, want.float(), name=f"dr_grpo loss, max_seqlen={bound}")
+    with pytest.raises(ValueError, match="max_seqlen=8 is shorter"):
+        gk.grpo_loss(logps.detach(), old, adv, cu_seqlens=cu, max_seqlen=8, loss_type="dr_grpo")
+    explicit, _ = gk.grpo_loss(logps.detach(), old, adv, cu_seqlens=cu, max_seqlen=200, loss_type="dr_grpo",
+                               max_completion_length=32)  # fmt: skip
+    assert_close(explicit * 32, want.float().cpu() * 9, name="max_completion_length is the constant when given")
+
+
+def test_fused_linear_dr_grpo_ignores_max_seqlen_too():
+    hidden, weight = torch.randn(19, 16), torch.randn(23, 16)
+    ids, cu = torch.randint(0, 23, (19,)), torch.tensor([0, 5, 6, 15, 19])
+    adv = torch.randn(4)
+    losses = [gk.fused_linear_grpo_loss(hidden, weight, ids, adv, cu_seqlens=cu, max_seqlen=m, loss_type="dr_grpo")[0]
+              for m in (None, 9, 100)]  # fmt: skip
+    assert_close(torch.stack(losses), losses[0].expand(3), name="fused dr_grpo loss for max_seqlen None, 9, 100")
+
+
+@pytest.mark.parametrize("value", [0, -5, float("nan"), float("inf")])
+def test_num_items_in_batch_tensor_must_be_positive_and_finite(value):
+    logps, old, adv, cu = packed_batch()
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        gk.grpo_loss(logps, old, adv, cu_seqlens=cu, loss_type="dapo", num_items_in_batch=torch.tensor(value))
+    ok, _ = gk.grpo_loss(logps, old, adv, cu_seqlens=cu, loss_type="dapo", num_items_in_batch=torch.tensor(7))
+    assert torch.isfinite(ok)
+
+
+def test_ref_logps_of_the_wrong_shape_is_refused_even_with_beta_zero():
+    logps, old, adv, cu = packed_batch()
+    with pytest.raises(ValueError, match="ref_logps must have the shape"):
+        gk.grpo_loss(logps, old, adv, cu_seqlens=cu, ref_logps=torch.zeros(3), beta=0.0)
+    hidden, weight, ids = torch.randn(19, 8), torch.randn(11, 8), torch.randint(0, 11, (19,))
+    with pytest.raises(ValueError, match="ref_logps must have the shape"):
+        gk.fused_linear_grpo_loss(hidden, weight, ids, adv, cu_seqlens=cu, ref_logps=torch.zeros(3), beta=0.0)
+
+
+def test_reward_weights_string_is_refused():
+    with pytest.raises(ValueError, match="reward_weights"):
+        gk.group_advantages(torch.randn(8), group_size=4, reward_weights="1")
+
+
+@pytest.mark.parametrize("prompts, completions", [([[1.5, 2.0]], [[3]]), ([[1, 2]], [[3.7]]),
+                                                  ([[True, False]], [[3]]), ([torch.tensor([1.0, 2.0])], [[3]])])
+def test_pack_sequences_refuses_non_integer_token_ids(prompts, completions):
+    with pytest.raises(ValueError, match="integer token ids"):
+        pack_sequences(prompts, completions)
+
+
+@pytest.mark.parametrize("ids", [[0.5, 0.7], [0.0, 1.0], ["a", "a"], [torch.tensor(0.5), torch.tensor(0.5)]])
+def test_pack_sequences_refuses_non_integer_group_ids(ids):
+    with pytest.raises(ValueError, match=r"group_ids\[0\] must be an integer"):
+        pack_sequences([[1], [1]], [[3], [4]], shared_prefix=True, group_ids=ids)
+    ok = pack_sequences([[1], [1]], [[3], [4]], shared_prefix=True, group_ids=[torch.tensor(3), 3])
+    assert ok.cu_seqlens.tolist() == [0, 3]
+
+
+@pytest.mark.parametrize("impl", ["cpp", "triton"])
+def test_inplace_backward_on_rows_sharing_memory_is_refused(impl, triton_device):
+    dev = triton_device if impl == "triton" else "cpu"
+    row = torch.randn(1, 7, device=dev, requires_grad=True)
+    ids = torch.tensor([0, 3, 6, 3], device=dev)
+    with pytest.raises(ValueError, match="inplace_backward"):
+        gk.selective_logprobs(row.expand(4, 7), ids, inplace_backward=True, impl=impl)
+    out = gk.selective_logprobs(row.expand(4, 7), ids, impl=impl)  # without it: the right gradient
+    (grad,) = torch.autograd.grad(out.sum(), row)
+    want = torch.zeros(1, 7, device=dev)
+    for i in ids.tolist():
+        want[0, i] += 1.0
+    want -= 4 * torch.softmax(row.detach(), -1)
+    assert_close(grad, want, name="d row through expand")
+
+
+def test_meta_tensors_raise_value_error_naming_the_device():
+    meta = torch.device("meta")
+    cases = [
+        lambda: gk.selective_logprobs(torch.randn(4, 7, device=meta), torch.zeros(4, dtype=torch.long, device=meta)),
+        lambda: gk.grpo_loss(torch.randn(3, device=meta), None, torch.zeros(1, device=meta),
+                             cu_seqlens=torch.tensor([0, 3], device=meta)),
+        lambda: gk.fused_linear_grpo_loss(torch.randn(4, 8, device=meta), torch.randn(7, 8, device=meta),
+                                          torch.zeros(4, dtype=torch.long, device=meta), torch.zeros(4, device=meta)),
+        lambda: gk.group_advantages(torch.randn(8, device=meta), group_size=4),
+    ]  # fmt: skip
+    for case in cases:
+        with pytest.raises(ValueError, match="meta"):
+            case()
+
+
+@pytest.mark.parametrize("fn", ["fused_linear_logprobs", "fused_linear_grpo_loss", "selective_logprobs"])
+def test_return_entropy_must_be_a_bool(fn):
+    hidden, weight, ids = torch.randn(4, 8), torch.randn(7, 8), torch.randint(0, 7, (4,))
+    call = {"fused_linear_logprobs": lambda: gk.fused_linear_logprobs(hidden, weight, ids, return_entropy="yes"),
+            "fused_linear_grpo_loss": lambda: gk.fused_linear_grpo_loss(hidden, weight, ids, torch.zeros(4),
+                                                                        return_entropy="yes"),
+            "selective_logprobs": lambda: gk.selective_logprobs(hidden @ weight.T, ids,
+                                                                return_entropy="yes")}[fn]  # fmt: skip
+    with pytest.raises(ValueError, match="return_entropy must be a bool"):
+        call()
+
+
+def test_a_group_size_beyond_the_step_budget_is_refused_at_load():
+    with pytest.raises(ValueError, match="sampling.max_step_tokens"):
+        load_config("examples/train_tiny_cpu.toml", ["sampling.group_size=1000000"])
+    with pytest.raises(ValueError, match="group_size.max_group_size"):
+        load_config("examples/train_tiny_cpu.toml", ["group_size.adaptive=true", "group_size.max_group_size=10000000"])
+    config = load_config("examples/train_tiny_cpu.toml", ["sampling.group_size=1000000",
+                                                          "sampling.max_step_tokens=100000000"])  # fmt: skip
+    assert config.sampling.group_size == 1000000

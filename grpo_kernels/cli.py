@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--seed", type=int, default=0)
     t = sub.add_parser("train", help="GRPO training (grpo_kernels.train); extra --section.field=value override")
     t.add_argument("--config", help="a TOML file (see grpo_kernels/train/config.py)")
-    t.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint (its config.toml)")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint (its config.toml; "
+                   "--checkpoint.resume_step=N resumes from step_N instead)")  # fmt: skip
     pm = sub.add_parser("prepare-model", help="convert a known model (smollm2-135m) once into an HF directory")
     pm.add_argument("name", help="a known model: " + ", ".join(_known_models()))
     pm.add_argument("--out", metavar="DIR", help="where to write it (default: the cache, $GRPO_KERNELS_CACHE or "

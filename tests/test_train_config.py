@@ -122,7 +122,7 @@ def full_config() -> TrainConfig:
                            "dynamic_sampling": True, "max_resample_rounds": 0},
             "distributed": {"backend": "gloo"},
             "logging": {"run_dir": "/tmp/run dir", "log_every": 10, "tensorboard": True},
-            "checkpoint": {"every": 3, "resume": "runs/prev"},
+            "checkpoint": {"every": 3, "resume": "runs/prev", "resume_step": 2, "allow_config_change": True},
         }
     )  # fmt: skip
 
@@ -196,6 +196,7 @@ BAD_OVERRIDES = [
     (["group_size.invalid_rate_threshold=0"], "group_size.invalid_rate_threshold must be in (0, 1), got 0.0"),
     (["group_size.invalid_rate_threshold=1"], "group_size.invalid_rate_threshold must be in (0, 1), got 1.0"),
     (["checkpoint.every=-1"], "checkpoint.every"),
+    (["checkpoint.resume=runs/r", "checkpoint.resume_step=0"], "checkpoint.resume_step must be >= 1, got 0"),
 ]
 
 

@@ -415,10 +415,20 @@ class CheckpointConfig:
     """Save a checkpoint every this many steps (0 = never; the last step is not saved unless it is a multiple)."""
     resume: str | None = None
     """Run directory to resume from (its latest checkpoint); None = start fresh."""
+    resume_step: int | None = None
+    """Resume from checkpoints/step_<N> instead of the latest: the explicit fallback when the latest checkpoint is
+    damaged (a damaged checkpoint is an error, never skipped). Needs resume; used once (config.toml keeps none)."""
+    allow_config_change: bool = False
+    """Resume although the config differs from the checkpoint's in a field that changes the run (a warning lists
+    them); without it that is an error. Every field counts except logging.*, checkpoint.* and distributed.backend
+    (grpo_kernels.train.checkpoint.RUN_NEUTRAL_FIELDS). Used once (config.toml keeps false)."""
 
     def __post_init__(self):
         _validate(self, at_least={"every": 0})
         _check(self, "resume", self.resume != "", "a run directory or none")
+        if self.resume_step is not None:
+            _check(self, "resume_step", self.resume_step >= 1, ">= 1")
+            _check(self, "resume_step", self.resume is not None, "none unless checkpoint.resume is set")
 
 
 @dataclass(kw_only=True, slots=True)

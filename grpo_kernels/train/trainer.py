@@ -4,6 +4,7 @@ micro-batches, the fused LM-head loss) -> push the new weights to the sampler ->
     grpo-kernels train [--config FILE] [--section.field=value ...]
     torchrun --nproc_per_node=N -m grpo_kernels.cli train [...]      # FSDP2 data parallel (gloo on CPU)
     grpo-kernels train --resume RUN_DIR                                # continue from its latest checkpoint
+    grpo-kernels train --resume RUN_DIR --checkpoint.resume_step=N     # ... from checkpoints/step_N instead
 
 Data parallelism: see grpo_kernels.train.fsdp (every rank samples its share of the groups, then all ranks hold
 the whole rollout). Group size control: `group_size.adaptive` raises G (grpo_kernels.train.group_size) when the
@@ -11,10 +12,13 @@ invalid-group rate of the last steps exceeds the threshold; `group_size.dynamic_
 samples more prompts (at most `max_resample_rounds` more rounds) to fill the batch.
 
 Everything that can fail on the configuration or the data (task, model, token budget, TensorBoard) is checked
-before the run directory is written.
+before the run directory is written. So is the checkpoint a run resumes: verified against its manifest (a damaged
+one is an error naming the file, with `checkpoint.resume_step` as the explicit fallback), and its config compared
+with the run's (a field that changes the run is an error unless `checkpoint.allow_config_change`).
 """
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -27,8 +31,16 @@ from pathlib import Path
 import torch
 
 from ..advantages import group_advantages
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import TrainConfig, save_config
+from .checkpoint import (
+    CheckpointError,
+    config_changes,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from .config import TrainConfig, save_config, to_dict
 from .fsdp import SINGLE, Dist, all_gather_objects, full_state_dict, init_distributed, shard
 from .group_size import AdaptiveGroupSize
 from .sampler import HFSampler, Rollout
@@ -200,6 +212,38 @@ def _check_run_dir(run_dir: Path, option: str) -> None:
         raise ValueError(f"{option} {run_dir} cannot be written: no write permission on {existing}")
 
 
+def _verified_checkpoint(config: TrainConfig, run_dir: Path, d: Dist, log) -> Path:
+    """The checkpoint to resume (the latest, or checkpoint.resume_step), verified against its manifest on rank 0,
+    and its config compared with this one: CheckpointError/ValueError (one line, on every rank) when it is damaged
+    or the config changes the run without checkpoint.allow_config_change (then a warning line lists the fields)."""
+    c = config.checkpoint
+    found = list_checkpoints(run_dir)
+    checkpoint = found[-1]
+    if c.resume_step is not None:
+        checkpoint = run_dir / "checkpoints" / f"step_{c.resume_step}"
+        if checkpoint not in found:
+            raise ValueError(f"checkpoint.resume_step: no checkpoint step_{c.resume_step} in {run_dir}/checkpoints "
+                             f"(there are: {', '.join(p.name for p in found)})")  # fmt: skip
+    result = None
+    if d.is_main:
+        try:
+            result = verify_checkpoint(checkpoint)["config"]
+        except CheckpointError as exc:
+            result = exc
+    result = all_gather_objects(result, d)[0]
+    if isinstance(result, CheckpointError):
+        raise CheckpointError(str(result))
+    changes = config_changes(result or {}, to_dict(config))
+    if changes and not c.allow_config_change:
+        raise ValueError(f"checkpoint.resume: the config differs from the one {checkpoint.name} was saved with, in "
+                         f"{'; '.join(changes)}: undo the change, or add --checkpoint.allow_config_change=true to "
+                         "resume with it")  # fmt: skip
+    if changes and d.is_main:
+        log(f"warning: resuming {checkpoint.name} with a changed config (checkpoint.allow_config_change): "
+            f"{'; '.join(changes)}")  # fmt: skip
+    return checkpoint
+
+
 def _decoder_blocks(model):
     layers = getattr(model.base_model, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
@@ -219,6 +263,8 @@ def train(config: TrainConfig, *, log=print) -> dict:
     if not resume and checkpoint is not None:
         raise ValueError(f"logging.run_dir {run_dir} holds checkpoints of an earlier run: resume it (--resume "
                          f"{run_dir}) or choose another run_dir")  # fmt: skip
+    if resume:
+        checkpoint = _verified_checkpoint(config, run_dir, d, log)
     torch.manual_seed(config.seed)
     tok, task, train_set, eval_set, model = _build(config)
     if not d.is_main:
@@ -251,7 +297,7 @@ def train(config: TrainConfig, *, log=print) -> dict:
             sampler.load_weights(full_state_dict(policy.model))
 
     if checkpoint is not None:
-        state = load_checkpoint(checkpoint, policy=policy, optimizer=optimizer, ref_policy=ref_policy)
+        state = load_checkpoint(checkpoint, policy=policy, optimizer=optimizer, ref_policy=ref_policy, verify=False)
         sync_sampler()
         first, cursor, order, elapsed = state["step"], state["cursor"], state["order"], state["elapsed_s"]
         rng.setstate((state["rng"][0], tuple(state["rng"][1]), state["rng"][2]))
@@ -265,7 +311,8 @@ def train(config: TrainConfig, *, log=print) -> dict:
         log(f"held-out success before RL: {_with_se(start_eval, len(eval_set))}")
     if d.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(config, run_dir / "config.toml")
+        once = dataclasses.replace(config.checkpoint, resume_step=None, allow_config_change=False)
+        save_config(dataclasses.replace(config, checkpoint=once), run_dir / "config.toml")
     metrics_path = run_dir / "metrics.jsonl"
     kept = []
     if checkpoint is not None and metrics_path.exists():  # drop the steps after the checkpoint
@@ -332,7 +379,7 @@ def train(config: TrainConfig, *, log=print) -> dict:
                      "scheduler": scheduler.state_dict(), "adaptive": adaptive.state_dict() if adaptive else None,
                      "eval_success_start": start_eval, "elapsed_s": time.perf_counter() - started}  # fmt: skip
             save_checkpoint(run_dir, step + 1, policy=policy, optimizer=optimizer, ref_policy=ref_policy,
-                            trainer_state=state, d=d)  # fmt: skip
+                            trainer_state=state, d=d, config=to_dict(config))  # fmt: skip
     if out is not None:
         out.close()
     if bar is not None:

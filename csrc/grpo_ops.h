@@ -12,5 +12,5 @@ void init_logprobs(pybind11::module_& m);
 // csrc/loss.cpp: grpo_loss_fwd, grpo_loss_bwd, set_loss_simd, loss_simd.
 void init_loss(pybind11::module_& m);
 
-// csrc/packing.cpp: plan_micro_batches (host-side micro-batch planning, no tensor op).
+// csrc/planner.cpp: plan_micro_batches (host-side micro-batch planning, no tensor op).
 void init_packing(pybind11::module_& m);

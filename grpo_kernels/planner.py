@@ -26,7 +26,7 @@ creation order, the items first); LPT takes items by (weight descending, index) 
 The parts of either algorithm come out in that subset order, so rank 0 is the heaviest rank and a rank's
 micro-batches are sorted by load, descending.
 
-Backends: the C++ function `_C.plan_micro_batches` (csrc/packing.cpp; ranks planned in parallel) and the
+Backends: the C++ function `_C.plan_micro_batches` (csrc/planner.cpp; ranks planned in parallel) and the
 pure-Python `_plan_items` below, the spec, selected by impl="reference". Both return item indices; the
 group -> sample bookkeeping and the loads are computed here, once, for both.
 """
@@ -93,7 +93,7 @@ def plan_micro_batches(
         num_ranks: data-parallel ranks (>= 1).
         algorithm: "karmarkar_karp" (largest differencing, best balance) or "greedy" (LPT).
         max_item_tokens: if given, an item (sample, or group with keep_groups) heavier than this is an error.
-        impl: "auto" / "cpp" (C++, csrc/packing.cpp) or "reference" (pure Python, the spec).
+        impl: "auto" / "cpp" (C++, csrc/planner.cpp) or "reference" (pure Python, the spec).
 
     Returns:
         Plan(micro_batches, rank_loads, micro_batch_loads, imbalance).
@@ -183,7 +183,7 @@ def _positive_int(x, name: str) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The reference implementation (the spec of csrc/packing.cpp).
+# The reference implementation (the spec of csrc/planner.cpp).
 
 
 def _plan_items(weights: list, token_budget: int, num_ranks: int, algorithm: str) -> list:

@@ -1,7 +1,8 @@
 """grpo-kernels: fused kernels for GRPO training.
 
-Importing the package loads the compiled extension `grpo_kernels._C` (the C++ CPU kernels) and registers
-every op in `torch.ops.grpo_kernels`.
+Importing the package loads the compiled extension `grpo_kernels._C` (the C++ CPU kernels), registers
+every op in `torch.ops.grpo_kernels`, and registers the packed attention "grpo_varlen" with transformers (when
+transformers is imported, before or after).
 """
 
 import torch  # noqa: F401  (loads libtorch, which _C links against)
@@ -20,6 +21,8 @@ from .fused_linear import FusedLinearGRPOLoss, fused_linear_grpo_loss, fused_lin
 from .logprobs import selective_logprobs
 from .loss import GRPOLoss, grpo_loss, grpo_loss_from_logits
 from .types import GroupAdvantages
+
+attention.register_on_import()  # attn_implementation="grpo_varlen" for HF models, without importing transformers
 
 __version__ = "0.1.0"
 

@@ -8,15 +8,17 @@ layout) whose sequences are delimited by `cu_seqlens`, and dispatches to the fir
     3. SDPA once per sequence (any device; the CPU path).
 The choice depends only on the device and what is installed, never on a failure, and `backend=` forces one.
 
-`register_hf_attention()` registers it with transformers' `AttentionInterface` (and a mask function that
-builds no mask) under the name "grpo_varlen", so any HF decoder built on the attention interface (Llama,
-Qwen2, Qwen3, Mistral, ...) runs packed with no per-model code:
+`import grpo_kernels` registers it with transformers' `AttentionInterface` (and a mask function that builds no
+mask) under the name "grpo_varlen" (`register_hf_attention()` does it explicitly), so any HF decoder built on the
+attention interface (Llama, Qwen2, Qwen3, Mistral, ...) runs packed with no per-model code:
 
     model = AutoModelForCausalLM.from_config(config, attn_implementation="grpo_varlen")
     model(**packed.model_kwargs())   # input_ids [1, T], position_ids reset per sequence, cu_seq_lens_*, no cache
 """
 
+import importlib.abc
 import inspect
+import sys
 
 import torch
 
@@ -300,13 +302,70 @@ def check_packed_attention(model) -> None:
 
 
 def register_hf_attention() -> str:
-    """Register "grpo_varlen" with transformers' AttentionInterface and AttentionMaskInterface; returns the name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    """Register "grpo_varlen" with transformers' AttentionInterface and AttentionMaskInterface; returns the name.
+
+    `import grpo_kernels` already does this (at once if transformers is loaded, else when it loads): calling it
+    again is harmless."""
+    _register_attention_function()
+    _register_mask_function()
+    return HF_ATTENTION_NAME
+
+
+def _register_attention_function() -> None:
+    from transformers.modeling_utils import AttentionInterface
 
     AttentionInterface.register(HF_ATTENTION_NAME, _hf_attention)
+
+
+def _register_mask_function() -> None:
+    from transformers.masking_utils import AttentionMaskInterface
+
     AttentionMaskInterface.register(HF_ATTENTION_NAME, _no_mask)
-    return HF_ATTENTION_NAME
+
+
+_ON_IMPORT = {"transformers.modeling_utils": _register_attention_function,
+              "transformers.masking_utils": _register_mask_function}  # fmt: skip
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """Registers "grpo_varlen" right after transformers' modules that hold the two registries are executed, so
+    that importing grpo_kernels does not import transformers (seconds) and the order of the imports is free."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in _ON_IMPORT:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _RegisteringLoader(spec.loader, _ON_IMPORT[name])
+                return spec
+        return None
+
+
+class _RegisteringLoader(importlib.abc.Loader):
+    def __init__(self, loader, register):
+        self.loader, self.register = loader, register
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        self.register()
+
+
+def register_on_import() -> None:
+    """What `import grpo_kernels` calls: register now where transformers' registries are loaded, and hook the
+    import of those that are not."""
+    for name, register in _ON_IMPORT.items():
+        if name in sys.modules:
+            register()
+    if not all(name in sys.modules for name in _ON_IMPORT) and not any(
+        isinstance(f, _RegisterOnImport) for f in sys.meta_path
+    ):
+        sys.meta_path.insert(0, _RegisterOnImport())
 
 
 def _no_mask(*args, attention_mask=None, **kwargs):

@@ -6,6 +6,9 @@ built from a config with windows shorter than the sequences, sinks and soft-capp
 feature shows (it did: per-token log-prob errors of 0.4 to 1.8 before).
 """
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from helpers import assert_close
@@ -177,3 +180,24 @@ def test_unknown_attention_argument_is_refused_not_dropped():
     batch = pack_sequences(*samples()[:2])
     with pytest.raises(NotImplementedError, match="position_bias"):
         model(**batch.model_kwargs(), position_bias=torch.zeros(1))
+
+
+@pytest.mark.parametrize("order", ["grpo_kernels first", "transformers first"])
+def test_import_grpo_kernels_registers_grpo_varlen_in_either_import_order(order):
+    imports = ["import grpo_kernels", "import transformers"]
+    code = "\n".join([
+        *(imports if order == "grpo_kernels first" else imports[::-1]),
+        "import sys, torch",
+        "assert order_ok or 'transformers.modeling_utils' not in sys.modules",
+        "config = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=32, num_hidden_layers=1,",
+        "                                  num_attention_heads=2, num_key_value_heads=1)",
+        "m = transformers.AutoModelForCausalLM.from_config(config, attn_implementation='grpo_varlen')",
+        "ids = torch.tensor([[1, 2, 3, 4]])",
+        "packed = m(input_ids=ids, position_ids=torch.tensor([[0, 1, 0, 1]])).logits[0]",
+        "alone = torch.cat([m(input_ids=ids[:, :2]).logits[0], m(input_ids=ids[:, 2:]).logits[0]])",
+        "assert m.config._attn_implementation == 'grpo_varlen' and torch.allclose(packed, alone, atol=1e-5)",
+        "print('ok')",
+    ])  # fmt: skip
+    code = code.replace("order_ok", str(order == "transformers first"))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

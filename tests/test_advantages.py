@@ -414,3 +414,19 @@ def test_bad_offset_values_raise_value_error_for_every_backend(impl, triton_devi
     dev = device_for(impl, triton_device)
     with pytest.raises(ValueError, match=match):
         advantages(torch.randn(16, device=dev), impl, group_offsets=torch.tensor(offsets, device=dev))
+
+
+@pytest.mark.parametrize("magnitude", [1e-30, 1e20, 1e37])
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_huge_and_tiny_rewards_match_the_fp64_reference(impl, triton_device, magnitude, scale):
+    """Squared deviations of rewards beyond ~1e19 overflow fp32 (the Triton kernel marked such groups invalid with
+    a NaN std): every backend must give the fp64 reference's statistics, rounded to fp32."""
+    rewards = torch.randn(4 * 6) * magnitude
+    device = device_for(impl, triton_device)
+    out = advantages(rewards.to(device), impl, group_size=6, scale=scale)
+    ref = oracle(rewards, group_size=6, scale=scale)
+    assert torch.equal(out.valid.cpu(), ref.valid)
+    for field in ("advantages", "group_mean", "group_std"):
+        want = getattr(ref, field).float()
+        assert_close(getattr(out, field), want, name=f"{impl} {field}", rtol=2e-5, atol=2e-5 * float(want.abs().max()))

@@ -1,16 +1,16 @@
 """Grouped advantage normalization: Triton kernel, launcher, op registration, autograd.
 
-Design. A GRPO batch holds few rewards (N up to a few million) split into many small groups (G = 2..1024),
-so one program per group would leave most lanes idle. Each program takes BLOCK_G groups as the rows of a
-[BLOCK_G, BLOCK_M] tile of TILE = 128 elements, one per thread of 4 warps (a longer group gets a 1 x BLOCK_M
-tile, BLOCK_M <= 1024): tiles of 256 to 1024 made ptxas spill for some shapes on Triton 3.3 to 3.9
-(`python -m grpo_kernels.ops.aot_report` compiles every shape). Groups are contiguous blocks of
-`group_size`, or segments read from `group_offsets` (cu_seqlens-style) when sizes vary. A group
-longer than BLOCK_M is walked in chunks whose (count, mean, M2) are merged with Chan's parallel formula,
-so the variance is always two-pass accurate and any group size works; values are shifted by the group's
-first reward, so an all-equal group has exactly zero variance whatever its magnitude. The second walk writes the
-advantages. Everything is accumulated in fp32; K reward columns are combined with their weights on load,
-so the [N] combined reward never hits memory.
+Design. A GRPO batch holds few rewards (N up to a few million) split into many small groups (G = 2..1024), so one
+program per group would leave most lanes idle. Each program takes BLOCK_G groups as the rows of a [BLOCK_G, BLOCK_M]
+tile of TILE = 128 elements, one per thread of 4 warps (a longer group gets a 1 x BLOCK_M tile, BLOCK_M <= 1024):
+tiles of 256 to 1024 made ptxas spill for some shapes on Triton 3.3 to 3.9 (`python -m grpo_kernels.ops.aot_report`
+compiles every shape). Groups are contiguous blocks of `group_size`, or segments read from `group_offsets`
+(cu_seqlens-style) when sizes vary. A group longer than BLOCK_M is walked in chunks whose (count, mean, M2) are
+merged with Chan's parallel formula, so the variance is always two-pass accurate and any group size works; values
+are divided by a power of two near the group's largest |reward| (exact; a first walk finds it), so squares cannot
+overflow fp32 even for rewards near 3e38, and shifted by the group's first reward, so an all-equal group has exactly
+zero variance whatever its magnitude. The last walk writes the advantages. Everything is accumulated in fp32; K
+reward columns are combined with their weights on load, so the [N] combined reward never hits memory.
 
 "batch" scaling needs the std of the whole batch, which depends on every group: the kernel writes the
 unscaled r - mean, the batch std is combined from the per-group (n, mean, std) in a few O(num_groups) torch
@@ -63,10 +63,20 @@ def _group_advantages_kernel(
     n = end - start
     cols = tl.arange(0, BLOCK_M)
 
+    # Walk 0: a power-of-two scale per group (its largest finite |reward|, rounded up), by which every reward is
+    # divided: exact, and squared deviations can then not overflow fp32 whatever the rewards' magnitude.
+    amax = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    for m0 in range(0, tl.max(n), BLOCK_M):
+        in_group = (m0 + cols)[None, :] < n[:, None]
+        x = _combined_rewards(r_ptr, start[:, None] + m0 + cols[None, :], in_group, stride_n, stride_k, w_ptr, K)
+        x = tl.where(in_group & (x == x) & (tl.abs(x) < float("inf")), tl.abs(x), 0.0)
+        amax = tl.maximum(amax, tl.max(x, axis=1))
+    scale = tl.where(amax > 0, tl.math.exp2(tl.minimum(tl.math.ceil(tl.math.log2(amax)), 127.0)), 1.0)
+
     # Walk 1: per-group count, mean, M2 (chunks merged with Chan's formula) and the non-finite count, of the
-    # rewards shifted by the group's first one: an all-equal group then has exactly zero variance at any scale.
+    # scaled rewards shifted by the group's first one: an all-equal group then has exactly zero variance.
     shift = _combined_rewards(r_ptr, start, g_mask, stride_n, stride_k, w_ptr, K)
-    shift = tl.where((shift == shift) & (tl.abs(shift) < float("inf")), shift, 0.0)
+    shift = tl.where((shift == shift) & (tl.abs(shift) < float("inf")), shift, 0.0) / scale
     cnt = tl.zeros((BLOCK_G,), dtype=tl.float32)
     mean = tl.zeros((BLOCK_G,), dtype=tl.float32)
     m2 = tl.zeros((BLOCK_G,), dtype=tl.float32)
@@ -76,7 +86,7 @@ def _group_advantages_kernel(
         x = _combined_rewards(r_ptr, start[:, None] + m0 + cols[None, :], in_group, stride_n, stride_k, w_ptr, K)
         finite = (x == x) & (tl.abs(x) < float("inf"))
         nbad += tl.sum((in_group & ~finite).to(tl.float32), axis=1)
-        x = tl.where(in_group & finite, x - shift[:, None], 0.0)
+        x = tl.where(in_group & finite, x / scale[:, None] - shift[:, None], 0.0)
         cnt_c = tl.sum(in_group.to(tl.float32), axis=1)
         mean_c = tl.sum(x, axis=1) / tl.maximum(cnt_c, 1.0)
         dev = tl.where(in_group, x - mean_c[:, None], 0.0)
@@ -88,20 +98,21 @@ def _group_advantages_kernel(
         cnt += cnt_c
 
     dof = cnt - correction
-    std = tl.sqrt(tl.where(dof > 0, m2 / tl.maximum(dof, 1.0), 0.0))
+    std = tl.sqrt(tl.where(dof > 0, m2 / tl.maximum(dof, 1.0), 0.0))  # of the scaled rewards
     bad = nbad > 0
-    valid = (~bad) & (std > min_std)
-    tl.store(mean_ptr + g, tl.where(bad, float("nan"), mean + shift), mask=g_mask)
-    tl.store(std_ptr + g, tl.where(bad, float("nan"), std), mask=g_mask)
+    valid = (~bad) & (std * scale > min_std)
+    tl.store(mean_ptr + g, tl.where(bad, float("nan"), (mean + shift) * scale), mask=g_mask)
+    tl.store(std_ptr + g, tl.where(bad, float("nan"), std * scale), mask=g_mask)
     tl.store(valid_ptr + g, valid, mask=g_mask)
 
-    # Walk 2: write (r - mean) * factor, exactly 0 in invalid groups.
-    factor = tl.where(scale_mode == 0, 1.0 / (std + eps), 1.0)
+    # Walk 2: write (r - mean) * factor, exactly 0 in invalid groups: (r - mean) / (std + eps) is
+    # (r/s - mean/s) / (std/s + eps/s) in the scaled rewards; "batch" and "none" write r - mean.
+    factor = tl.where(scale_mode == 0, 1.0 / (std + eps / scale), scale)
     for m0 in range(0, tl.max(n), BLOCK_M):
         in_group = (m0 + cols)[None, :] < n[:, None]
         rows = start[:, None] + m0 + cols[None, :]
         x = _combined_rewards(r_ptr, rows, in_group, stride_n, stride_k, w_ptr, K)
-        a = tl.where(valid[:, None], ((x - shift[:, None]) - mean[:, None]) * factor[:, None], 0.0)
+        a = tl.where(valid[:, None], ((x / scale[:, None] - shift[:, None]) - mean[:, None]) * factor[:, None], 0.0)
         tl.store(adv_ptr + rows, a, mask=in_group)
 
 
@@ -118,10 +129,11 @@ def _num_groups(rewards: torch.Tensor, group_offsets: torch.Tensor | None, group
 
 def _batch_rescale(adv, mean, std, sizes, eps: float, correction: float) -> torch.Tensor:
     """Scale unscaled advantages by 1/(S + eps), S the std of all rewards of finite groups (Chan's formula)."""
-    good = torch.isfinite(mean)
-    n = torch.where(good, sizes.to(torch.float32), 0.0)
+    good = torch.isfinite(mean)  # fp64: std ** 2 of rewards beyond ~1e19 overflows fp32
+    mean, std = mean.double(), std.double()
+    n = torch.where(good, sizes.to(torch.float64), 0.0)
     m = torch.where(good, mean, 0.0)
-    dof = sizes.to(torch.float32) - correction
+    dof = sizes.to(torch.float64) - correction
     m2 = torch.where(good & (dof > 0), std.nan_to_num() ** 2 * dof, 0.0)
     count = n.sum()
     big_mean = (n * m).sum() / count.clamp(min=1.0)
@@ -130,7 +142,7 @@ def _batch_rescale(adv, mean, std, sizes, eps: float, correction: float) -> torc
     big_std = torch.where(big_dof > 0, big_m2 / big_dof.clamp(min=1.0), 0.0).sqrt()
     # Invalid groups hold exact zeros and keep them: with eps = 0 and no valid group, S can be 0 and the
     # factor inf (0 * inf = NaN). A valid group has std > 0, so S > 0 whenever one exists.
-    return torch.where(adv == 0, adv, adv * (1.0 / (big_std + eps)))
+    return torch.where(adv == 0, adv, (adv * (1.0 / (big_std + eps))).to(adv.dtype))
 
 
 def group_sizes(n: int, group_offsets: torch.Tensor | None, group_size: int, device) -> torch.Tensor:

@@ -1,8 +1,17 @@
-"""Result types shared by the reference and the backends (no imports beyond torch, so the spec can use them)."""
+"""Result types and the group layout shared by the reference and the backends (no imports beyond torch, so the spec
+can use them)."""
 
 from typing import NamedTuple
 
 import torch
+
+
+def group_sizes(n: int, group_size: int | None, group_offsets: torch.Tensor | None, device) -> torch.Tensor:
+    """Sizes `[num_groups]` (int64) of the contiguous blocks of `group_size` among n rewards, or of the segments
+    [o_g, o_{g+1}) of `group_offsets`: the group layout, shared by the reference and the backends."""
+    if group_offsets is not None:
+        return group_offsets.to(device=device, dtype=torch.int64).diff()
+    return torch.full((n // group_size,), group_size, dtype=torch.int64, device=device)
 
 
 class GroupAdvantages(NamedTuple):

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .. import _C
+from ..types import group_sizes
 from ._triton import require_triton_device
 
 SCALE_MODES = {"group": 0, "batch": 1, "none": 2}
@@ -145,12 +146,6 @@ def _batch_rescale(adv, mean, std, sizes, eps: float, correction: float) -> torc
     return torch.where(adv == 0, adv, (adv * (1.0 / (big_std + eps))).to(adv.dtype))
 
 
-def group_sizes(n: int, group_offsets: torch.Tensor | None, group_size: int, device) -> torch.Tensor:
-    if group_offsets is not None:
-        return group_offsets.diff().to(torch.int64)
-    return torch.full((n // group_size,), group_size, dtype=torch.int64, device=device)
-
-
 def group_advantages_triton(
     rewards: torch.Tensor,
     weights: torch.Tensor,
@@ -182,7 +177,7 @@ def group_advantages_triton(
         HAS_OFFSETS=has_offsets, BLOCK_G=block_g, BLOCK_M=block_m, num_warps=4,
     )  # fmt: skip
     if scale == "batch":
-        adv = _batch_rescale(adv, mean, std, group_sizes(n, group_offsets, group_size, dev), eps, correction)
+        adv = _batch_rescale(adv, mean, std, group_sizes(n, group_size, group_offsets, dev), eps, correction)
     invalid_fraction = 1.0 - valid.to(torch.float32).mean()
     return adv, valid, mean, std, invalid_fraction
 
@@ -239,7 +234,7 @@ def _backward(ctx, g_adv, g_valid, g_mean, g_std, g_frac):
     """
     rewards, weights, group_offsets, valid, mean, std = ctx.saved_tensors
     n_rows = rewards.shape[0]
-    sizes = group_sizes(n_rows, group_offsets, ctx.group_size, rewards.device)
+    sizes = group_sizes(n_rows, ctx.group_size, group_offsets, rewards.device)
     num_groups = sizes.shape[0]
     seg = torch.repeat_interleave(torch.arange(num_groups, device=rewards.device), sizes, output_size=n_rows)
 

@@ -120,8 +120,8 @@ def betabinom_all_equal(counts: list[int], n: int, g: int) -> float:
 def _recording_collect(collect, steps: list):
     def wrapped(config, sampler, tok, task, next_prompts, step, g, d):
         result = collect(config, sampler, tok, task, next_prompts, step, g, d)
-        rewards = result[1]
-        steps.append((g, [round(sum(rewards[k * g : (k + 1) * g])) for k in range(len(rewards) // g)]))
+        rollout = result[0]  # correct answers per group, from the rollout's [groups, G] rewards
+        steps.append((g, [] if rollout is None else [round(sum(row)) for row in rollout.rewards.tolist()]))
         return result
 
     return wrapped

@@ -52,7 +52,7 @@ def test_dynamic_sampling_drops_exactly_the_groups_the_advantage_kernel_marks_in
     from grpo_kernels.advantages import group_advantages
     from grpo_kernels.train.config import load_config
     from grpo_kernels.train.fsdp import SINGLE
-    from grpo_kernels.train.sampler import Rollout
+    from grpo_kernels.train.rollout import Rollout
     from grpo_kernels.train.tasks import Example
     from grpo_kernels.train.trainer import _collect
 
@@ -80,9 +80,8 @@ def test_dynamic_sampling_drops_exactly_the_groups_the_advantage_kernel_marks_in
     examples = [Example(prompt=name, answer="") for name in names]
     config = load_config(None, ["--sampling.prompts_per_step=4", "--group_size.dynamic_sampling=true",
                                 "--group_size.max_resample_rounds=0"])  # fmt: skip
-    rollout, rewards, sampled, rounds = _collect(config, Sampler(), Tok(), Task(), lambda n: examples[:n], 0, 2,
-                                                 SINGLE)
+    rollout, sampled, rounds = _collect(config, Sampler(), Tok(), Task(), lambda n: examples[:n], 0, 2, SINGLE)
     valid = group_advantages(torch.tensor([r for n in names for r in group_rewards[n]]), group_size=2).valid
     assert valid.tolist() == [False, True, False, False]  # the kernel's verdict on these four groups
-    assert rewards == group_rewards["signal"] and sampled == 4 and rounds == 0
+    assert rollout.rewards.tolist() == [group_rewards["signal"]] and sampled == 4 and rounds == 0
     assert [int(p[0]) for p in rollout.prompt_ids] == [names.index("signal")] * 2

@@ -55,9 +55,43 @@ def test_a_step_moves_log_probs_toward_positive_advantages(setup):
 
     before = seq_logps()
     weights = [p.detach().clone() for p in model.parameters()]
-    metrics = grpo_step(model, torch.optim.SGD(model.parameters(), lr=0.05), rollout, rewards,
+    metrics = grpo_step(model, torch.optim.SGD(model.parameters(), lr=0.05), rollout.with_rewards(rewards),
                         loss_options=dict(loss_type="dapo"), temperature=1.0, token_budget=64)  # fmt: skip
     assert metrics["micro_batches"] > 1  # the budget forces gradient accumulation
     assert all(map(lambda v: v == v, metrics.values())) and metrics["grad_norm"] > 0
     assert any(not torch.equal(w, p) for w, p in zip(weights, model.parameters(), strict=True))
     assert float((adv * (seq_logps() - before)).sum()) > 0
+
+
+def test_the_step_reads_its_metrics_back_once_whatever_the_number_of_micro_batches(setup, monkeypatch):
+    """grpo_step sums the loss and metrics as tensors and converts them once: the host reads it makes itself
+    (item/float/int/bool/tolist called from step.py) stay at one as the token budget splits the batch further."""
+    import copy
+    import sys
+
+    from grpo_kernels.train import step
+
+    _, model, _, rollout = setup
+    scored = rollout.with_rewards([float(i % 3 == 0) for i in range(len(rollout.completion_ids))])
+    reads = []
+
+    def counted(real):
+        def read(self, *args, **kwargs):
+            if sys._getframe(1).f_code.co_filename == step.__file__:
+                reads.append(sys._getframe(1).f_lineno)
+            return real(self, *args, **kwargs)
+
+        return read
+
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
+    counts = {}
+    for budget in (1000, 64, 24):
+        reads.clear()
+        policy = copy.deepcopy(model)
+        metrics = grpo_step(policy, torch.optim.SGD(policy.parameters(), lr=0.01), scored, num_iterations=2,
+                            loss_options=dict(loss_type="grpo"), temperature=1.0, token_budget=budget,
+                            compute_old_logps=True)  # fmt: skip
+        counts[metrics["micro_batches"]] = len(reads)
+    assert len(counts) == 3 and min(counts) == 1 and max(counts) >= 6, counts
+    assert set(counts.values()) == {1}, counts

@@ -93,10 +93,11 @@ def all_gather_objects(obj, d: Dist) -> list:
     return out
 
 
-def all_reduce_sum(values: list, d: Dist) -> list:
-    """Element-wise sum over ranks of a list of floats (in fp64)."""
+def all_reduce_sum(values: torch.Tensor, d: Dist) -> torch.Tensor:
+    """Element-wise sum over ranks of a tensor on d.device, returned on the device (no host sync); the tensor itself
+    in a single process."""
     if not d.distributed:
-        return [float(v) for v in values]
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=d.device)
-    dist.all_reduce(t)
-    return t.tolist()
+        return values
+    values = values.clone()
+    dist.all_reduce(values)
+    return values

@@ -1,4 +1,4 @@
-"""Samplers: G completions per prompt, with the sampler's own per-token log-probs.
+"""Samplers: G completions per prompt, with the sampler's own per-token log-probs, as an unscored `Rollout`.
 
 Every sampler draws group k with its own seed `seeds[k]`, so a prompt's completions do not depend on which other
 prompts share the call (or the rank): 1 and N data-parallel ranks sample the same rollout.
@@ -14,25 +14,12 @@ GenerationConfig and the model's own generation defaults (repetition penalty, to
 runs, so they never change the draw.
 """
 
-from dataclasses import dataclass
-
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from .rollout import Rollout
+
 __all__ = ["HFSampler", "Rollout"]
-
-
-@dataclass(frozen=True, slots=True)
-class Rollout:
-    """Sampled completions of a batch of prompts, G per prompt, sample i belonging to group i // G."""
-
-    prompt_ids: list
-    """list[Tensor]: the prompt of every sample (G equal entries per group)."""
-    completion_ids: list
-    """list[Tensor]: every sample's completion, up to and including <eos> when it was generated."""
-    sampler_logps: list
-    """list[Tensor]: the sampler's log-prob of each completion token (at the sampling temperature)."""
-    group_size: int
 
 
 class _SeededSampling(LogitsProcessor):

@@ -14,11 +14,11 @@ import time
 
 import torch
 
-from ..advantages import group_advantages
 from ..fused_linear import fused_linear_grpo_loss, fused_linear_logprobs
 from ..packing import pack_sequences
 from ..planner import plan_micro_batches
 from .fsdp import SINGLE, Dist, all_reduce_sum
+from .rollout import Rollout
 
 __all__ = ["Policy", "completion_logprobs", "grpo_step", "sft_warmup"]
 
@@ -59,9 +59,10 @@ def completion_logprobs(policy, packed, *, temperature: float) -> torch.Tensor:
         return _run(policy, packed, temperature=temperature)
 
 
-def _micro_batches(rollout, groups, lengths, *, token_budget, shared_prefix, algorithm, dist):
+def _micro_batches(rollout, lengths, *, token_budget, shared_prefix, algorithm, dist):
     """[(sample indices, PackedBatch, sampler log-probs)] of this rank; a one-sample stand-in (empty indices)
     where the plan gives this rank nothing."""
+    groups = rollout.group_ids
     plan = plan_micro_batches(lengths, token_budget=token_budget, group_ids=groups, keep_groups=shared_prefix,
                               num_ranks=dist.world, algorithm=algorithm)  # fmt: skip
     micro = []
@@ -74,12 +75,15 @@ def _micro_batches(rollout, groups, lengths, *, token_budget, shared_prefix, alg
     return micro
 
 
-def grpo_step(policy, optimizer, rollout, rewards, *, loss_options: dict, temperature: float, token_budget: int,
+def grpo_step(policy, optimizer, rollout: Rollout, *, loss_options: dict, temperature: float, token_budget: int,
               shared_prefix: bool = False, num_iterations: int = 1, grad_clip: float | None = 1.0,
               ref_policy=None, compute_old_logps: bool = False, algorithm: str = "karmarkar_karp",
               dist: Dist = SINGLE, autocast_dtype: torch.dtype | None = None) -> dict:  # fmt: skip
-    """Train on one rollout (the whole batch, identical on every rank); returns float metrics (reward,
-    invalid-group rate, loss, tokens/s, ...), identical on every rank.
+    """Train on one scored rollout (the whole batch, identical on every rank; its advantages are the rollout's
+    own); returns float metrics (reward, invalid-group rate, loss, tokens/s, ...), identical on every rank.
+
+    The loss and metrics of the micro-batches are summed as (fp64) tensors and read back to the host once, after
+    the last optimizer step, so the micro-batch loop never waits for the device.
 
     policy: a `Policy` (FSDP2-sharded or not) or a bare HF model. ref_policy: the frozen reference when
     loss_options["beta"] > 0. compute_old_logps: also compute the policy's log-probs before the update when
@@ -88,14 +92,13 @@ def grpo_step(policy, optimizer, rollout, rewards, *, loss_options: dict, temper
     rollout's sampler log-probs."""
     if not isinstance(policy, Policy):
         policy = Policy(policy)
+    if rollout.rewards is None:
+        raise ValueError("grpo_step needs a scored rollout: rollout.with_rewards(rewards)")
     start = time.perf_counter()
-    g = rollout.group_size
-    rewards = torch.as_tensor(rewards, dtype=torch.float32)
-    adv = group_advantages(rewards, group_size=g)
+    adv = rollout.advantages
     n = len(rollout.completion_ids)
-    groups = [i // g for i in range(n)]
     lengths = [len(p) + len(c) for p, c in zip(rollout.prompt_ids, rollout.completion_ids, strict=True)]
-    micro = _micro_batches(rollout, groups, lengths, token_budget=token_budget, shared_prefix=shared_prefix,
+    micro = _micro_batches(rollout, lengths, token_budget=token_budget, shared_prefix=shared_prefix,
                            algorithm=algorithm, dist=dist)  # fmt: skip
     total_tokens = sum(len(c) for c in rollout.completion_ids)
     loss_type = loss_options.get("loss_type", "dapo")
@@ -114,10 +117,10 @@ def grpo_step(policy, optimizer, rollout, rewards, *, loss_options: dict, temper
             options["num_items_in_batch"] = total_tokens
         is_mode = options.pop("sampler_is_mode", None)
         policy.train()
-        local = {}
+        local = {}  # name -> fp64 tensor on the loss's device, the same sums in the same order as Python floats
         for iteration in range(num_iterations):
             optimizer.zero_grad(set_to_none=True)
-            step_loss = 0.0
+            step_loss = None
             for k, (samples, packed, sampler) in enumerate(micro):
                 extra = dict(sampler_logps=sampler, sampler_is_mode=is_mode) if is_mode else {}
                 advantages = adv.advantages[samples] if samples else torch.zeros(1)
@@ -129,26 +132,40 @@ def grpo_step(policy, optimizer, rollout, rewards, *, loss_options: dict, temper
                     loss_type, 1.0 / (len(micro) * dist.world)
                 ) if samples else 0.0  # fmt: skip
                 (loss * (weight * dist.world)).backward()  # FSDP2 averages gradients over ranks
-                step_loss += loss.detach().item() * weight
+                step_loss = _add(step_loss, loss.detach().double() * weight)
                 for key, value in m.items():
-                    local[key] = local.get(key, 0.0) + float(value) * share / num_iterations
+                    local[key] = _add(local.get(key), value.detach().double() * share / num_iterations)
             norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip or float("inf"))
             optimizer.step()
             local["loss" if iteration == 0 else f"loss_iter{iteration}"] = step_loss
+    device = local["loss"].device
     if old is not None:
-        diff = sum(float((o - s).abs().sum()) for (samples, _, s), o in zip(micro, old, strict=True) if samples)
+        diff = torch.zeros((), dtype=torch.float64, device=device)  # stays 0 when this rank trained on nothing
+        for (samples, _, s), o in zip(micro, old, strict=True):
+            if samples:
+                diff = diff + (o - s).abs().sum().double()
         local["sampler_logp_abs_diff"] = diff / total_tokens
     keys = sorted(local)
-    metrics = dict(zip(keys, all_reduce_sum([local[k] for k in keys], dist), strict=True))
+    tokens = torch.tensor(float(sum(lengths[i] for s, _, _ in micro for i in s)), dtype=torch.float64)
+    summed = all_reduce_sum(torch.stack([local[k] for k in keys] + [tokens.to(device)]), dist)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    same = [norm, rollout.rewards.float().flatten().mean(), adv.invalid_fraction]  # identical on every rank
+    host = torch.cat([summed, torch.stack([t.detach().double().to(device) for t in same])]).tolist()  # the one sync
+    metrics = dict(zip(keys, host[: len(keys)], strict=True))
+    tokens, grad_norm, reward, invalid_rate = host[len(keys) :]
     elapsed = time.perf_counter() - start
-    tokens = all_reduce_sum([sum(lengths[i] for s, _, _ in micro for i in s)], dist)[0]
     metrics.update(
-        reward=float(rewards.mean()), invalid_group_rate=float(adv.invalid_fraction), grad_norm=float(norm),
-        completion_tokens=total_tokens, micro_batches=len(micro), train_tokens_per_s=tokens / elapsed,
-        train_step_s=elapsed, completion_length=total_tokens / n,
+        reward=reward, invalid_group_rate=invalid_rate, grad_norm=grad_norm, completion_tokens=total_tokens,
+        micro_batches=len(micro), train_tokens_per_s=tokens / elapsed, train_step_s=elapsed,
+        completion_length=total_tokens / n,
     )  # fmt: skip
     return metrics
+
+
+def _add(total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    """total + value (fp64 tensors), None standing for Python's 0.0 start: the same float64 roundings as the sum of
+    Python floats (-0.0 included)."""
+    return (value.new_zeros(()) if total is None else total) + value
 
 
 def sft_warmup(model, tokenizer, task, *, steps: int, batch_size: int = 32, lr: float = 3e-3, seed: int = 0) -> list:

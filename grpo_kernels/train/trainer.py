@@ -30,7 +30,6 @@ from pathlib import Path
 
 import torch
 
-from ..advantages import group_advantages
 from .checkpoint import (
     CheckpointError,
     config_changes,
@@ -43,7 +42,8 @@ from .checkpoint import (
 from .config import TrainConfig, save_config, to_dict
 from .fsdp import SINGLE, Dist, all_gather_objects, full_state_dict, init_distributed, shard
 from .group_size import AdaptiveGroupSize
-from .sampler import HFSampler, Rollout
+from .rollout import Rollout
+from .sampler import HFSampler
 from .step import Policy, grpo_step, sft_warmup
 from .tasks import CharTokenizer, make_task, tiny_model
 
@@ -58,73 +58,49 @@ def _seed(*parts: int) -> int:
     return out % 2**63
 
 
-def _sample(sampler, tok, task, examples, g: int, seeds: list, d: Dist, *, score=None):
-    """(Rollout, rewards) of G samples of every example, in the examples' order: rank r samples the examples
-    r, r + world, ... and every rank receives the whole result. score(completion, example): task.reward unless
-    given."""
+def _sample(sampler, tok, task, examples, g: int, seeds: list, d: Dist, *, score=None) -> Rollout:
+    """The scored rollout of G samples of every example, group k for examples[k]: rank r samples and scores the
+    examples r, r + world, ... and every rank receives the whole result. score(completion, example): task.reward
+    unless given."""
     score = score or task.reward
     mine = list(range(d.rank, len(examples), d.world))
     r = sampler.sample([tok.encode_prompt(examples[k].prompt) for k in mine], g, seeds=[seeds[k] for k in mine])
-    rewards = [score(tok.decode(c), examples[mine[i // g]]) for i, c in enumerate(r.completion_ids)]
-    groups = {}
-    for ks, part, rew in all_gather_objects((mine, r, rewards), d):
-        for j, k in enumerate(ks):
-            s = slice(j * g, (j + 1) * g)
-            groups[k] = (part.prompt_ids[s], part.completion_ids[s], part.sampler_logps[s], rew[s])
-    cat = lambda i: [x for k in range(len(examples)) for x in groups[k][i]]  # noqa: E731
-    return Rollout(prompt_ids=cat(0), completion_ids=cat(1), sampler_logps=cat(2), group_size=g), cat(3)
+    part = r.with_rewards([score(tok.decode(c), examples[mine[k]]) for k, c in zip(r.group_ids, r.completion_ids,
+                                                                                   strict=True)])  # fmt: skip
+    gathered = all_gather_objects((mine, part), d)
+    position = {k: i for i, k in enumerate(k for ks, _ in gathered for k in ks)}
+    return Rollout.concat([p for _, p in gathered]).select([position[k] for k in range(len(examples))])
 
 
 def evaluate(sampler, tok, task, examples, *, seed: int, d: Dist = SINGLE) -> float:
     """Success rate (`task.correct`) of one sampled answer per held-out prompt."""
     if not examples:
         return float("nan")
-    _, rewards = _sample(sampler, tok, task, examples, 1, [_seed(seed, k) for k in range(len(examples))], d,
-                         score=task.correct)  # fmt: skip
-    return sum(rewards) / len(rewards)
-
-
-def _groups_of(rollout, rewards, keep):
-    """The rollout and rewards restricted to the groups whose index is in keep."""
-    g = rollout.group_size
-    idx = [i for k in keep for i in range(k * g, (k + 1) * g)]
-    pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
-    return Rollout(prompt_ids=pick(rollout.prompt_ids), completion_ids=pick(rollout.completion_ids),
-                   sampler_logps=pick(rollout.sampler_logps), group_size=g), pick(rewards)  # fmt: skip
-
-
-def _concat(parts):
-    rollouts = [r for r, _ in parts]
-    cat = lambda name: [x for r in rollouts for x in getattr(r, name)]  # noqa: E731
-    rollout = Rollout(prompt_ids=cat("prompt_ids"), completion_ids=cat("completion_ids"),
-                      sampler_logps=cat("sampler_logps"), group_size=rollouts[0].group_size)  # fmt: skip
-    return rollout, [x for _, rewards in parts for x in rewards]
+    rates = _sample(sampler, tok, task, examples, 1, [_seed(seed, k) for k in range(len(examples))], d,
+                    score=task.correct).pass_rates()  # fmt: skip
+    return sum(rates) / len(rates)
 
 
 def _collect(config: TrainConfig, sampler, tok, task, next_prompts, step: int, g: int, d: Dist):
-    """The step's (rollout, rewards, prompts sampled, extra rounds). With dynamic sampling, groups without a
-    gradient signal are dropped and more prompts sampled, for at most max_resample_rounds more rounds; rewards
-    is empty when no group survived."""
+    """The step's (scored rollout, prompts sampled, extra rounds). With dynamic sampling, groups without a
+    gradient signal are dropped and more prompts sampled, for at most max_resample_rounds more rounds; the rollout
+    is None when no group survived."""
     s, gs = config.sampling, config.group_size
     parts, sampled, rounds = [], 0, 0
     while True:
-        batch = next_prompts(s.prompts_per_step - sum(len(r.completion_ids) // g for r, _ in parts))
+        batch = next_prompts(s.prompts_per_step - sum(r.num_groups for r in parts))
         seeds = [_seed(config.seed, step, rounds, k) for k in range(len(batch))]
-        rollout, rewards = _sample(sampler, tok, task, batch, g, seeds, d)
+        rollout = _sample(sampler, tok, task, batch, g, seeds, d)
         sampled += len(batch)
-        if gs.dynamic_sampling:  # keep the groups with a gradient signal: the advantage kernel's own test
-            valid = group_advantages(torch.tensor(rewards, dtype=torch.float32), group_size=g).valid
-            keep = [k for k in range(len(batch)) if bool(valid[k])]
-            rollout, rewards = _groups_of(rollout, rewards, keep)
-        if rewards:
-            parts.append((rollout, rewards))
-        full = sum(len(r.completion_ids) // g for r, _ in parts) >= s.prompts_per_step
+        if gs.dynamic_sampling:  # keep the groups with a gradient signal: the advantage kernel's own verdict
+            rollout = rollout.select(rollout.advantages.valid.nonzero().flatten().tolist())
+        if rollout.num_groups:
+            parts.append(rollout)
+        full = sum(r.num_groups for r in parts) >= s.prompts_per_step
         if not gs.dynamic_sampling or full or rounds >= gs.max_resample_rounds:
             break
         rounds += 1
-    if not parts:
-        return None, [], sampled, rounds
-    return (*_concat(parts), sampled, rounds)
+    return (Rollout.concat(parts) if parts else None), sampled, rounds
 
 
 def _schedule(config: TrainConfig):
@@ -342,11 +318,11 @@ def train(config: TrainConfig, *, log=print) -> dict:
     compute_old = config.loss.sampler_is_mode is not None or s.sampler == "vllm"  # for the mismatch metric
     for step in range(first, o.steps):
         g = adaptive.group_size if adaptive else s.group_size
-        rollout, rewards, sampled, rounds = _collect(config, sampler, tok, task, next_prompts, step, g, d)
-        if not rewards:
+        rollout, sampled, rounds = _collect(config, sampler, tok, task, next_prompts, step, g, d)
+        if rollout is None:
             say(f"step {step:4d}  every sampled group was invalid: no update")
         else:
-            metrics = grpo_step(policy, optimizer, rollout, rewards, loss_options=config.loss.kwargs(),
+            metrics = grpo_step(policy, optimizer, rollout, loss_options=config.loss.kwargs(),
                                 temperature=s.temperature, token_budget=config.packing.token_budget,
                                 shared_prefix=config.packing.shared_prefix, num_iterations=o.num_iterations,
                                 grad_clip=o.grad_clip, ref_policy=ref_policy, compute_old_logps=compute_old,
@@ -354,9 +330,8 @@ def train(config: TrainConfig, *, log=print) -> dict:
                                 autocast_dtype=torch.bfloat16 if bf16 and not d.distributed else None)  # fmt: skip
             scheduler.step()
             sync_sampler()
-            pass_rates = [sum(rewards[k * g : (k + 1) * g]) / g for k in range(len(rewards) // g)]
             if adaptive:
-                adaptive.update(metrics["invalid_group_rate"], pass_rates)
+                adaptive.update(metrics["invalid_group_rate"], rollout.pass_rates())
             metrics.update(step=step, lr=scheduler.get_last_lr()[0], elapsed_s=time.perf_counter() - started,
                            group_size=g, prompts_sampled=sampled, resample_rounds=rounds)  # fmt: skip
             if out is not None:

@@ -39,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-from .sampler import Rollout, splitmix64
+from .rollout import Rollout
+from .sampler import splitmix64
 
 __all__ = ["VLLMSampler", "save_hf_model"]
 

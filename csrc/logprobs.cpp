@@ -17,6 +17,10 @@
 //   * Backward: one read and one write per element, p = exp(d), d = (x - c) / T + k (c ~ lse T, see below),
 //     dlogits = p (a + b d) with a = -(g + gH H) / T, b = -gH / T; the id element is then rewritten from
 //     its logit read before the row (so inplace = true can overwrite the logits) as that value + g / T.
+//     An fp32 lse is only good to half its spacing, and every p of the row inherits that error (p relative
+//     error = lse error): 1e-4 at |lse| ~ 3e3 (T = 1e-3 on logits ~ 3), 1.5 % at 3e5 (T = 1e-5). So a row whose
+//     |lse| >= kExactLse first recomputes the forward's (M, S) (one more read of the row, no entropy sums) and
+//     uses c = M, k = -log S: d is then as exact as the forward's, at any temperature.
 //   * AVX-512 path (fp32/bf16/fp16 rows; bf16/fp16 widened to fp32 in registers; chosen at run time with
 //     __builtin_cpu_supports, functions carry __attribute__((target)), no global -m flags): 16 lanes, each
 //     with its own running max. Chunks of 8 vectors (128 logits) are loaded into registers, their max
@@ -27,8 +31,8 @@
 //     The tail of a row uses masked loads (filler -FLT_MAX) and masked accumulation.
 //   * Precision: exps and per-chunk sums (8 terms per lane) in fp32; per-lane running s and u in fp64
 //     (the chunk sums are widened and added: a few ops per 128 logits); the lane combination and the final
-//     log / divide in fp64; outputs rounded once to fp32. The backward is exact up to fp32 exp and the fp32
-//     lse it is given (|lse| ~ 1e4 means ~1e-3 absolute in d: inherent to an fp32 lse).
+//     log / divide in fp64; outputs rounded once to fp32. The backward is exact up to fp32 exp, and up to the
+//     fp32 lse it is given below |lse| = kExactLse (there its half spacing, <= 2^-20 ~ 1e-6, is the error of d).
 //   * Portable path (other CPUs, or set_logprobs_simd(False)): the same algorithm with scalar std::exp in
 //     blocks of 64 and fp64 accumulators.
 
@@ -49,6 +53,7 @@
 namespace grpo::logprobs {
 
 constexpr float kMinArg = -120.f;  // exp(-120) underflows to 0 in fp32
+constexpr float kExactLse = 32.f;  // from |lse| = 32 up (fp32 spacing >= 2^-18) the backward recomputes (M, S)
 
 inline std::atomic<bool> simd_enabled{true};
 
@@ -289,15 +294,30 @@ at::Tensor selective_logprobs_backward(const at::Tensor& grad_logps, const std::
       const double gt = gp[t], ght = has_h ? ghp[t] : 0.0;
       const double a = -(gt + (has_h ? ght * hp[t] : 0.0)) * inv_t, b = -ght * inv_t;
       const double xk = static_cast<float>(x[k]);  // read before an inplace row overwrites it
-      const float c = static_cast<float>(lp[t] * temperature), kk = static_cast<float>(c * inv_t - lp[t]);
+      float c, kk;  // d = (x - c) / T + kk
+      double dk;    // d of the id element, in fp64
+      if (std::fabs(lp[t]) >= kExactLse) {  // the fp32 lse is too coarse: the row's (M, S) again, as the forward
+        RowStats r;
+#ifdef GRPO_HAVE_AVX512
+        if (vec)
+          r = forward_row_avx512<T_, false>(x, V, float(inv_t));
+        else
+#endif
+          r = forward_row_portable<T_, false>(x, V, float(inv_t));
+        const double log_s = std::log(r.s);
+        c = r.m, kk = static_cast<float>(-log_s);
+        dk = std::max<double>(kMinArg, (xk - r.m) * inv_t - log_s);
+      } else {
+        c = static_cast<float>(lp[t] * temperature), kk = static_cast<float>(c * inv_t - lp[t]);
+        dk = std::max<double>(kMinArg, xk * inv_t - lp[t]);
+      }
 #ifdef GRPO_HAVE_AVX512
       if (vec)
         backward_row_avx512<T_>(x, o, V, float(inv_t), c, kk, float(a), float(b));
       else
 #endif
         backward_row_portable<T_>(x, o, V, float(inv_t), c, kk, float(a), float(b));
-      const double d = std::max<double>(kMinArg, xk * inv_t - lp[t]);
-      o[k] = static_cast<T_>(static_cast<float>(std::exp(d) * (a + b * d) + gt * inv_t));
+      o[k] = static_cast<T_>(static_cast<float>(std::exp(dk) * (a + b * dk) + gt * inv_t));
     });
   });
   (void)vec;

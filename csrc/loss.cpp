@@ -9,15 +9,21 @@
 //   family 2 (sapo):  l = -(4 / tau) sigmoid(tau (w - 1)) A, tau = tau_pos if A > 0 else tau_neg
 //   sampler: l, dl/dw, direct *= r; r = f(nan_to_num(m (old - sampler))) per token, or f(sum of it over the
 //       sequence) (modes >= 2); f(d) = min(exp d, cap) (truncate: modes 0, 2) or exp d [exp d <= cap] (mask)
-//   KL: k3 = exp(ref - logp) - (ref - logp) - 1, l += beta k3 k, direct += beta (1 - exp(ref - logp)) k,
-//       k = w with bias_kl (then also dl/dw += beta k3), else 1
+//   KL: k3 = exp(ref - logp) - (ref - logp) - 1, l += beta k3 k, k = w with bias_kl, else 1;
+//       direct += beta (1 - exp(ref - logp)) (no bias_kl), -beta (ref - logp) w (bias_kl, token level: the whole
+//       derivative), beta (1 - exp(ref - logp)) w (bias_kl, GSPO, then also dl/dw += beta k3)
 //   coef_t = m (dl/dw w + direct) (token level) or m direct (GSPO: the w_s part goes through b_s)
 //   stats_s = [sum m l, sum m, sum m dl/dw (GSPO), sum m [low], sum m [high], sum m [low or high], sum m w,
 //              sum m k3 k, sum m |logp - sampler| (NaN terms skipped), log_w_s (0 at token level)]
 //   low/high: family 0: min(w, delta) < 1 - eps_low, A < 0 / > 1 + eps_high, A > 0; cispo: low = w > eps_high,
 //   A > 0, high never; sapo: as family 0 with w. Tokens with m == 0 write coef 0 and add exactly nothing
 //   (their inputs may be NaN/inf garbage).
-//   grpo_loss_bwd: grad_t = a_s coef_t (+ b_s m_t with GSPO).
+//   Non-finite values (as grpo_kernels.grpo_loss documents): a NaN in logp, old, A or (KL on) ref of a token with
+//   m != 0 makes its l and coef NaN (min / clamp propagate NaN, as torch's do). A ratio beyond fp32 (w = inf
+//   for log w > 88.72) times an exact zero (a clipped branch, A = 0, a zero dl/dw or sampler weight) is 0, as in
+//   exact arithmetic, not NaN (times_w): a clipped token's gradient is 0. beta exp(ref - logp) (times w with
+//   bias_kl) is one exp, exp(ref - logp + log w + log beta), finite wherever the product is.
+//   grpo_loss_bwd: grad_t = a_s coef_t (+ b_s m_t with GSPO; 0 for m_t = 0, even for b_s = NaN).
 //
 // Design
 //   * Parallel over sequences (at::parallel_for, grain ~16k tokens). Each sequence is handled whole by one
@@ -68,7 +74,7 @@ inline bool simd() { return simd::cpu_has_avx512() && simd_enabled.load(std::mem
 struct Params {
   const float *old, *ref, *sampler, *adv, *mask;
   bool adv_per_token, bias_kl, sampler_truncate, sampler_per_seq;
-  float lo, hi, delta, eps_high, beta, cap, tau_pos, tau_neg;
+  float lo, hi, delta, eps_high, beta, log_beta, cap, tau_pos, tau_neg;
 };
 
 // Per-sequence scalars of phase 2.
@@ -76,6 +82,7 @@ struct Seq {
   float adv;  // the sequence's advantage (when not per token)
   float w;    // GSPO ratio exp(log_w)
   float is;   // sequence-level sampler weight
+  float log_w;  // GSPO log ratio
 };
 
 // exp(nan_to_num(d)), truncated at cap or zeroed above it (nan_to_num: NaN -> 0, +-inf -> +-FLT_MAX).
@@ -86,6 +93,13 @@ inline double sampler_weight(double d, double cap, bool truncate) {
 }
 
 inline float nan_to_num(float d) { return d != d ? 0.f : std::clamp(d, -FLT_MAX, FLT_MAX); }
+
+// min / max returning NaN when either operand is NaN, as torch.min / clamp do.
+inline float nan_min(float a, float b) { return (a < b || a != a) ? a : b; }
+inline float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
+
+// x w, and 0 where x == 0 even for w = inf (a ratio beyond fp32 times an exact zero is 0, not NaN).
+inline float times_w(float x, float w) { return x == 0.f ? 0.f : x * w; }
 
 // ---- portable path -------------------------------------------------------------------------------------
 template <typename T>
@@ -113,27 +127,29 @@ void seq_portable(const T* x, const Params& p, const Seq& q, int64_t t0, int64_t
     }
     const float lp = static_cast<float>(x[t]), old = p.old ? p.old[t] : lp;
     const float adv = p.adv_per_token ? p.adv[t] : q.adv;
-    const float w = kSeq ? q.w : std::exp(lp - old);
+    const float log_w = kSeq ? q.log_w : lp - old, w = kSeq ? q.w : std::exp(log_w);
     float pol, dpol = 0.f, direct = 0.f;
     bool low, high = false;
     if constexpr (kLoss == 0) {
-      const float wm = std::min(w, p.delta), clipped = std::min(std::max(w, p.lo), p.hi);
-      const float a1 = wm * adv, a2 = clipped * adv;
-      pol = -std::min(a1, a2);
+      const float wm = nan_min(w, p.delta), clipped = nan_min(nan_max(w, p.lo), p.hi);
+      const float a1 = times_w(adv, wm), a2 = clipped * adv;
+      pol = -nan_min(a1, a2);
       const float g1 = w <= p.delta ? -adv : 0.f, g2 = (w >= p.lo && w <= p.hi) ? -adv : 0.f;
       dpol = a1 < a2 ? g1 : a1 > a2 ? g2 : 0.5f * (g1 + g2);  // torch.min splits a tie's gradient
       low = wm < p.lo && adv < 0.f;
       high = wm > p.hi && adv > 0.f;
     } else if constexpr (kLoss == 1) {
-      const float cw = std::min(w, p.eps_high);
+      const float cw = nan_min(w, p.eps_high);
       pol = -cw * adv * lp;
       direct = -cw * adv;
       low = w > p.eps_high && adv > 0.f;
     } else {
-      const float tau = adv > 0.f ? p.tau_pos : p.tau_neg;
-      const float sg = 1.f / (1.f + std::exp(-tau * (w - 1.f)));
+      const float tau = adv > 0.f ? p.tau_pos : p.tau_neg, z = tau * (w - 1.f);
+      // sigmoid(z) and sigmoid(-z) from one exp(-|z|): sg (1 - sg) keeps its precision when sg rounds to 1
+      const float e = std::exp(-std::fabs(z)), inv = 1.f / (1.f + e);
+      const float sg = z >= 0.f ? inv : e * inv, sg_c = z >= 0.f ? e * inv : inv;
       pol = -sg * 4.f / tau * adv;
-      dpol = -4.f * adv * sg * (1.f - sg);
+      dpol = -4.f * adv * sg * sg_c;
       low = w < p.lo && adv < 0.f;
       high = w > p.hi && adv > 0.f;
     }
@@ -141,23 +157,41 @@ void seq_portable(const T* x, const Params& p, const Seq& q, int64_t t0, int64_t
       const float s = p.sampler[t];
       const float r =
           p.sampler_per_seq ? q.is : static_cast<float>(sampler_weight((old - s) * m, p.cap, p.sampler_truncate));
-      pol *= r, dpol *= r, direct *= r;
+      pol = r == 0.f && pol == pol ? 0.f : pol * r;  // a zeroed token adds 0, even if pol = inf
+      dpol *= r, direct *= r;
       const float diff = std::min(std::fabs(lp - s), FLT_MAX);  // nan_to_num: inf -> FLT_MAX
       if (diff == diff) acc[8] += m * diff;
     }
     if (p.ref) {
-      const float dr = p.ref[t] - lp, e = std::exp(dr), kl = e - dr - 1.f, klw = p.bias_kl ? w : 1.f;
-      pol += p.beta * kl * klw;
-      direct += p.beta * (1.f - e) * klw;
-      if (p.bias_kl) dpol += p.beta * kl;
-      acc[7] += m * kl * klw;
+      const float dr = p.ref[t] - lp;
+      float term;  // beta k3 k
+      if (p.bias_kl) {
+        const float bew = std::exp(dr + log_w + p.log_beta);  // beta exp(dr) w
+        const bool fin = w < INFINITY;                          // w = inf: inf (k3 > 0) or 0 (dr = 0)
+        term = fin ? bew - p.beta * (dr + 1.f) * w : times_w(dr * dr, w);
+        if constexpr (kSeq) {
+          const float be = std::exp(dr + p.log_beta);
+          direct += fin ? p.beta * w - bew : times_w(p.beta - be, w);
+          dpol += be - p.beta * (dr + 1.f);
+        } else {
+          direct += times_w(-p.beta * dr, w);  // the whole d(beta k3 w)/dlogp, without exp(dr) cancelling
+        }
+      } else {
+        const float be = std::exp(dr + p.log_beta);
+        term = be - p.beta * (dr + 1.f);
+        direct += p.beta - be;
+      }
+      pol += term;
+      acc[7] += m * (term / p.beta);
     }
+    float c;
     if constexpr (kSeq) {
-      coef[t] = m * direct;
+      c = m * direct;
       acc[2] += m * dpol;
     } else {
-      coef[t] = m * (dpol * w + direct);
+      c = m * (times_w(dpol, w) + direct);
     }
+    coef[t] = pol != pol ? pol : c;  // a NaN loss term has a NaN gradient
     acc[0] += m * pol;
     acc[1] += m;
     if (low) acc[3] += m;
@@ -175,6 +209,10 @@ using namespace grpo::simd;
 // exp16 on [-120, 89]: exp is 0 below, inf above (as expf); NaN stays NaN (max/min return their 2nd operand).
 GRPO_AVX512 inline __m512 exp_clamped(__m512 x) {
   return exp16(_mm512_min_ps(_mm512_set1_ps(89.f), _mm512_max_ps(_mm512_set1_ps(-120.f), x)));
+}
+
+GRPO_AVX512 inline __m512 times_w(__m512 x, __m512 w) {  // x w, 0 where x == 0 (even for w = inf)
+  return _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_NEQ_UQ), x, w);
 }
 
 GRPO_AVX512 inline double lane_sum(const __m512d* a) {  // lanes 0..15 of a[0], a[1], in order
@@ -214,6 +252,8 @@ GRPO_AVX512 void seq_avx512(const T* x, const Params& p, const Seq& q, int64_t t
   const __m512 delta = _mm512_set1_ps(p.delta), eps_high = _mm512_set1_ps(p.eps_high), beta = _mm512_set1_ps(p.beta);
   const __m512 cap = _mm512_set1_ps(p.cap), tau_pos = _mm512_set1_ps(p.tau_pos), tau_neg = _mm512_set1_ps(p.tau_neg);
   const __m512 adv_s = _mm512_set1_ps(q.adv), w_s = _mm512_set1_ps(q.w), is_s = _mm512_set1_ps(q.is);
+  const __m512 lw_s = _mm512_set1_ps(q.log_w), log_beta = _mm512_set1_ps(p.log_beta);
+  const __m512 inf = _mm512_set1_ps(INFINITY);
   const __m512 neg0 = _mm512_set1_ps(-0.f);
   __m512d wide[kKernelStats][2];
   for (auto& a : wide) a[0] = a[1] = _mm512_setzero_pd();
@@ -228,12 +268,14 @@ GRPO_AVX512 void seq_avx512(const T* x, const Params& p, const Seq& q, int64_t t
       const __m512 adv = p.adv_per_token ? _mm512_maskz_loadu_ps(k, p.adv + j) : adv_s;
       const __m512 nadv = _mm512_xor_ps(adv, neg0);
       const __mmask16 pos = _mm512_cmp_ps_mask(adv, zero, _CMP_GT_OQ), neg = _mm512_cmp_ps_mask(adv, zero, _CMP_LT_OQ);
-      const __m512 w = kSeq ? w_s : exp_clamped(_mm512_sub_ps(lp, old));
+      const __m512 lw = kSeq ? lw_s : _mm512_sub_ps(lp, old), w = kSeq ? w_s : exp_clamped(lw);
       __m512 pol, dpol = zero, direct = zero;
       __mmask16 low, high = 0;
+      // min_ps / max_ps return their 2nd operand when either is NaN: the operand that may be NaN goes 2nd, so
+      // NaN propagates as in torch (a1 is NaN only when a2 is: A or w NaN).
       if constexpr (kLoss == 0) {
         const __m512 wm = _mm512_min_ps(delta, w), clipped = _mm512_min_ps(hi, _mm512_max_ps(lo, w));
-        const __m512 a1 = _mm512_mul_ps(wm, adv), a2 = _mm512_mul_ps(clipped, adv);
+        const __m512 a1 = times_w(adv, wm), a2 = _mm512_mul_ps(clipped, adv);
         pol = _mm512_xor_ps(_mm512_min_ps(a1, a2), neg0);
         const __m512 g1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(w, delta, _CMP_LE_OQ), nadv);
         const __mmask16 in = _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(w, lo, _CMP_GE_OQ), w, hi, _CMP_LE_OQ);
@@ -251,9 +293,13 @@ GRPO_AVX512 void seq_avx512(const T* x, const Params& p, const Seq& q, int64_t t
       } else {
         const __m512 tau = _mm512_mask_blend_ps(pos, tau_neg, tau_pos);
         const __m512 z = _mm512_mul_ps(tau, _mm512_sub_ps(w, one));
-        const __m512 sg = _mm512_div_ps(one, _mm512_add_ps(one, exp_clamped(_mm512_xor_ps(z, neg0))));
+        // sigmoid(z) and sigmoid(-z) from one exp(-|z|) (see seq_portable)
+        const __m512 e = exp_clamped(_mm512_or_ps(_mm512_abs_ps(z), neg0)), inv = _mm512_div_ps(one, _mm512_add_ps(one, e));
+        const __mmask16 ge = _mm512_cmp_ps_mask(z, zero, _CMP_GE_OQ);
+        const __m512 sg = _mm512_mask_blend_ps(ge, _mm512_mul_ps(e, inv), inv);
+        const __m512 sg_c = _mm512_mask_blend_ps(ge, inv, _mm512_mul_ps(e, inv));
         pol = _mm512_mul_ps(_mm512_div_ps(_mm512_mul_ps(sg, _mm512_set1_ps(-4.f)), tau), adv);
-        dpol = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(-4.f), adv), sg), _mm512_sub_ps(one, sg));
+        dpol = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(-4.f), adv), sg), sg_c);
         low = _mm512_mask_cmp_ps_mask(neg, w, lo, _CMP_LT_OQ);
         high = _mm512_mask_cmp_ps_mask(pos, w, hi, _CMP_GT_OQ);
       }
@@ -267,28 +313,47 @@ GRPO_AVX512 void seq_avx512(const T* x, const Params& p, const Seq& q, int64_t t
           r = p.sampler_truncate ? _mm512_min_ps(r, cap)
                                  : _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(r, cap, _CMP_LE_OQ), r);
         }
-        pol = _mm512_mul_ps(pol, r), dpol = _mm512_mul_ps(dpol, r), direct = _mm512_mul_ps(direct, r);
+        const __mmask16 zeroed =  // r == 0 zeroes the term, even pol = inf (NaN stays NaN)
+            _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(r, zero, _CMP_EQ_OQ), pol, pol, _CMP_ORD_Q);
+        pol = _mm512_mask_mov_ps(_mm512_mul_ps(pol, r), zeroed, zero);
+        dpol = _mm512_mul_ps(dpol, r), direct = _mm512_mul_ps(direct, r);
         const __m512 raw = _mm512_abs_ps(_mm512_sub_ps(lp, s));
         const __mmask16 ok = _mm512_mask_cmp_ps_mask(on, raw, raw, _CMP_ORD_Q);  // NaN terms skipped
         const __m512 diff = _mm512_min_ps(raw, big);                              // inf -> FLT_MAX
         acc[8] = _mm512_mask_add_ps(acc[8], ok, acc[8], _mm512_mul_ps(m, diff));
       }
       if (p.ref) {
-        const __m512 dr = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, p.ref + j), lp), e = exp_clamped(dr);
-        const __m512 kl = _mm512_sub_ps(_mm512_sub_ps(e, dr), one), klw = p.bias_kl ? w : one;
-        const __m512 bkl = _mm512_mul_ps(beta, kl);
-        pol = _mm512_add_ps(pol, _mm512_mul_ps(bkl, klw));
-        direct = _mm512_add_ps(direct, _mm512_mul_ps(_mm512_mul_ps(beta, _mm512_sub_ps(one, e)), klw));
-        if (p.bias_kl) dpol = _mm512_add_ps(dpol, bkl);
-        acc[7] = _mm512_mask_add_ps(acc[7], on, acc[7], _mm512_mul_ps(m, _mm512_mul_ps(kl, klw)));
+        const __m512 dr = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, p.ref + j), lp);
+        const __m512 bdr1 = _mm512_mul_ps(beta, _mm512_add_ps(dr, one));  // beta (dr + 1)
+        __m512 term;                                                      // beta k3 k (see seq_portable)
+        if (p.bias_kl) {
+          const __m512 bew = exp_clamped(_mm512_add_ps(_mm512_add_ps(dr, lw), log_beta));
+          const __mmask16 fin = _mm512_cmp_ps_mask(w, inf, _CMP_LT_OQ);
+          term = _mm512_mask_blend_ps(fin, times_w(_mm512_mul_ps(dr, dr), w), _mm512_fnmadd_ps(bdr1, w, bew));
+          if constexpr (kSeq) {
+            const __m512 be = exp_clamped(_mm512_add_ps(dr, log_beta));
+            direct = _mm512_add_ps(direct, _mm512_mask_blend_ps(fin, times_w(_mm512_sub_ps(beta, be), w),
+                                                                _mm512_sub_ps(_mm512_mul_ps(beta, w), bew)));
+            dpol = _mm512_add_ps(dpol, _mm512_sub_ps(be, bdr1));
+          } else {
+            direct = _mm512_add_ps(direct, times_w(_mm512_xor_ps(_mm512_mul_ps(beta, dr), neg0), w));
+          }
+        } else {
+          const __m512 be = exp_clamped(_mm512_add_ps(dr, log_beta));
+          term = _mm512_sub_ps(be, bdr1);
+          direct = _mm512_add_ps(direct, _mm512_sub_ps(beta, be));
+        }
+        pol = _mm512_add_ps(pol, term);
+        acc[7] = _mm512_mask_add_ps(acc[7], on, acc[7], _mm512_mul_ps(m, _mm512_div_ps(term, beta)));
       }
       __m512 c;
       if constexpr (kSeq) {
         c = _mm512_maskz_mul_ps(on, m, direct);
         acc[2] = _mm512_mask_add_ps(acc[2], on, acc[2], _mm512_mul_ps(m, dpol));
       } else {
-        c = _mm512_maskz_mul_ps(on, m, _mm512_add_ps(_mm512_mul_ps(dpol, w), direct));
+        c = _mm512_maskz_mul_ps(on, m, _mm512_add_ps(times_w(dpol, w), direct));
       }
+      c = _mm512_mask_mov_ps(c, _mm512_mask_cmp_ps_mask(on, pol, pol, _CMP_UNORD_Q), pol);  // NaN term: NaN grad
       _mm512_mask_storeu_ps(coef + j, k, c);
       acc[0] = _mm512_mask_add_ps(acc[0], on, acc[0], _mm512_mul_ps(m, pol));
       acc[1] = _mm512_add_ps(acc[1], m);
@@ -377,6 +442,7 @@ std::tuple<at::Tensor, at::Tensor> grpo_loss_fwd(
   // 1 - eps_low and 1 + eps_high in fp32 from the fp32 epsilons, as the kernel computes them
   p.lo = 1.f - static_cast<float>(eps_low), p.hi = 1.f + static_cast<float>(eps_high);
   p.delta = static_cast<float>(delta), p.eps_high = static_cast<float>(eps_high), p.beta = static_cast<float>(beta);
+  p.log_beta = std::log(p.beta);  // -inf for beta = 0: the KL term is then 0 (ref_logps goes with beta > 0)
   p.cap = static_cast<float>(sampler_cap);
   p.tau_pos = static_cast<float>(tau_pos), p.tau_neg = static_cast<float>(tau_neg);
   const bool pre = seq_level || p.sampler_per_seq, vec = simd();
@@ -392,7 +458,7 @@ std::tuple<at::Tensor, at::Tensor> grpo_loss_fwd(
     at::parallel_for(0, B, grain(B, T, 16384), [&](int64_t s0, int64_t s1) {
       for (int64_t s = s0; s < s1; ++s) {
         const int64_t t0 = cu[s], t1 = cu[s + 1];
-        Seq q{p.adv_per_token ? 0.f : p.adv[s], 1.f, 1.f};
+        Seq q{p.adv_per_token ? 0.f : p.adv[s], 1.f, 1.f, 0.f};
         float log_w = 0.f;
         if (pre) {
           double sums[3];
@@ -405,6 +471,7 @@ std::tuple<at::Tensor, at::Tensor> grpo_loss_fwd(
           if (kSeq) {
             log_w = static_cast<float>(sums[0] / std::max(sums[1], 1.0));
             q.w = static_cast<float>(std::exp(static_cast<double>(log_w)));
+            q.log_w = log_w;
           }
           if (p.sampler_per_seq) q.is = static_cast<float>(sampler_weight(sums[2], sampler_cap, p.sampler_truncate));
         }
@@ -443,8 +510,8 @@ at::Tensor grpo_loss_bwd(const at::Tensor& a, const at::Tensor& b, const at::Ten
       const float as = pa[s], bs = pb[s];
       if (!seq_level)
         for (int64_t t = t0; t < t1; ++t) g[t] = as * cf[t];
-      else if (m)
-        for (int64_t t = t0; t < t1; ++t) g[t] = as * cf[t] + bs * m[t];
+      else if (m)  // a masked token's gradient is 0 even where b_s is NaN (a NaN sequence)
+        for (int64_t t = t0; t < t1; ++t) g[t] = as * cf[t] + (m[t] != 0.f ? bs * m[t] : 0.f);
       else
         for (int64_t t = t0; t < t1; ++t) g[t] = as * cf[t] + bs;
     }

@@ -8,16 +8,9 @@ and are differentiable with autograd. Nothing here imports Triton or the compile
 
 import torch
 
-from .types import GroupAdvantages
+from .types import GroupAdvantages, group_sizes
 
-__all__ = ["group_advantages", "group_sizes_of"]
-
-
-def group_sizes_of(n: int, group_size: int | None, group_offsets: torch.Tensor | None, device) -> torch.Tensor:
-    """Sizes `[num_groups]` (int64) of contiguous blocks of `group_size`, or of the segments in `group_offsets`."""
-    if group_offsets is not None:
-        return group_offsets.to(device=device, dtype=torch.int64).diff()
-    return torch.full((n // group_size,), group_size, dtype=torch.int64, device=device)
+__all__ = ["group_advantages", "grpo_loss", "selective_logprobs", "unpack"]
 
 
 def _segment_sum(x: torch.Tensor, segment: torch.Tensor, num_groups: int) -> torch.Tensor:
@@ -64,7 +57,7 @@ def group_advantages(
     finite = torch.isfinite((columns * w).sum(dim=1))
     # Rows with a non-finite reward are zeroed before combining, so they carry no NaN into any gradient.
     r0 = (torch.where(finite[:, None], columns, torch.zeros_like(columns)) * w).sum(dim=1)
-    sizes = group_sizes_of(r0.shape[0], group_size, group_offsets, r0.device)
+    sizes = group_sizes(r0.shape[0], group_size, group_offsets, r0.device)
     num_groups = sizes.shape[0]
     segment = torch.repeat_interleave(torch.arange(num_groups, device=r0.device), sizes)
     c = 1.0 if std == "unbiased" else 0.0
@@ -164,6 +157,14 @@ def grpo_loss(
     Aggregation over tokens with mask m: grpo/sapo: mean_b (sum_t m l / sum_t m); bnpo: sum m l / sum m;
     dr_grpo: sum m l / (B max_completion_length); dapo/cispo: sum m l / num_items_in_batch (default sum m).
     Inputs padded [B, L] with mask, or packed [T] with cu_seqlens [B + 1]; advantages [B] or per token.
+
+    Non-finite inputs: a token with m = 0 takes no part whatever its values (NaN / inf padding is replaced by 0
+    before any arithmetic, so it reaches neither the loss nor a gradient). A NaN in logps, old_logps, advantages or
+    (beta > 0) ref_logps of a token with m != 0 propagates: the loss is NaN, and so is that token's gradient (every
+    token's of its sequence where the sequence's ratio or dl/dw is NaN: GSPO). sampler_logps go through
+    nan_to_num, as in TRL. Ratios: this is the spec in fp64 (exp(100) is finite there); run in fp32 it overflows
+    like TRL (inf * 0 = NaN gradients for clipped tokens above log w = 88.72), which the C++ and Triton backends
+    avoid (see grpo_kernels.grpo_loss, "Non-finite values").
     """
     if cu_seqlens is not None:
         packed = {"logps": logps, "old": old_logps, "ref": ref_logps, "sampler": sampler_logps, "mask": mask}
@@ -175,8 +176,13 @@ def grpo_loss(
         mask = valid if padded["mask"] is None else padded["mask"] * valid
         advantages = padded.get("adv", advantages)
     mask = torch.ones_like(logps) if mask is None else mask.to(logps.dtype)
+    on = mask != 0
+    logps, old_logps, ref_logps, sampler_logps = (
+        None if x is None else torch.where(on, x, 0.0) for x in (logps, old_logps, ref_logps, sampler_logps)
+    )
     old = logps.detach() if old_logps is None else old_logps
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    adv_t = torch.where(on, adv, 0.0)  # per token, masked ones zeroed (the clip metrics keep adv's shape)
     log_ratio = logps - old
     if importance_sampling_level == "token":
         log_w = log_ratio
@@ -190,15 +196,15 @@ def grpo_loss(
         if use_bias_correction_kl:
             kl = kl * w
     if loss_type == "cispo":
-        per_token = -torch.clamp(w, max=epsilon_high).detach() * adv * logps
+        per_token = -torch.clamp(w, max=epsilon_high).detach() * adv_t * logps
     elif loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
         clipped = torch.clamp(w, 1 - epsilon_low, 1 + epsilon_high)
         if delta is not None:
             w = torch.clamp(w, max=delta)
-        per_token = -torch.min(w * adv, clipped * adv)
+        per_token = -torch.min(w * adv_t, clipped * adv_t)
     elif loss_type == "sapo":
-        tau = torch.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg)
-        per_token = -torch.sigmoid(tau * (w - 1)) * 4 / tau * adv
+        tau = torch.where(adv_t > 0, sapo_temperature_pos, sapo_temperature_neg)
+        per_token = -torch.sigmoid(tau * (w - 1)) * 4 / tau * adv_t
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
 

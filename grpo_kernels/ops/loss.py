@@ -18,6 +18,14 @@ The op returns stats [B, NUM_STATS] (per sequence: the columns named in STATS) a
 function (grpo_kernels.loss) turns stats into the loss with TRL's normalizer and into the metrics.
 Hyperparameters (epsilons, delta, beta, the sampler cap, the SAPO temperatures) are runtime arguments; the
 constexprs are the loss family and which inputs exist. Everything is computed in fp32.
+
+Non-finite values (the behaviour grpo_kernels.grpo_loss documents). A NaN in logp, old, the advantage or (KL on)
+ref of a token with m != 0 makes its loss term and its coef NaN (min / clamp propagate NaN, as torch's do; at
+sequence level the whole sequence's); a token with m == 0 adds exactly nothing, whatever its inputs. A ratio
+beyond fp32 (w = inf for log w > 88.72) never meets an exact zero as inf * 0 = NaN: a clipped branch, a zero
+advantage, derivative or sampler weight gives 0 as in exact arithmetic (a clipped token's gradient is 0); only a
+value that itself exceeds fp32 (the unclipped -w A with A < 0 and no delta) is inf. The KL term takes
+beta exp(ref - logp) (times w with the bias correction) as one exp, finite wherever that product is.
 """
 
 import torch
@@ -42,6 +50,23 @@ NUM_WARPS = 8
 
 
 # ----------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _min(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)  # NaN in, NaN out, as torch.min / clamp
+
+
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _times_w(x, w):
+    """x w, and 0 where x == 0 even for w = inf: a ratio beyond fp32 (log w > 88.72) times an exact zero (a
+    clipped branch, a zero advantage or derivative) is 0, as in exact arithmetic, not NaN."""
+    return tl.where(x == 0.0, 0.0, x * w)
+
+
 @triton.jit
 def _sampler_weight(diff, cap, truncate):
     """exp(nan_to_num(diff)), truncated at cap or zeroed above it (TRL's vLLM importance-sampling modes)."""
@@ -104,6 +129,8 @@ def _grpo_loss_fwd_kernel(
         seq_is = tl.load(seq_is_ptr + seq)
     if not ADV_PER_TOKEN:
         seq_adv = tl.load(adv_ptr + seq)
+    if HAS_KL:
+        log_beta = tl.log(beta)
     acc_loss = tl.zeros((BLOCK,), dtype=tl.float32)
     acc_n = tl.zeros((BLOCK,), dtype=tl.float32)
     acc_dw = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -122,14 +149,16 @@ def _grpo_loss_fwd_kernel(
         old = tl.load(old_ptr + offs, mask=inb, other=0.0) if HAS_OLD else lp
         # (a scalar advantage is broadcast to the block: the interpreter cannot `&` a scalar and a block mask)
         adv = tl.load(adv_ptr + offs, mask=inb, other=0.0) if ADV_PER_TOKEN else seq_adv + tl.zeros_like(lp)
-        w = tl.exp(seq_logw + tl.zeros_like(lp)) if SEQ_LEVEL else tl.exp(lp - old)
-        # The policy term l = pol(w), its derivative in w, and its direct derivative in logp.
+        log_w = seq_logw + tl.zeros_like(lp) if SEQ_LEVEL else lp - old
+        w = tl.exp(log_w)  # +inf above log w = 88.72: see _times_w
+        # The policy term l = pol(w), its derivative in w, and its direct derivative in logp. min / clamp propagate
+        # NaN, as torch's do.
         if LOSS == 0:  # grpo / bnpo / dr_grpo / dapo: -min(min(w, delta) A, clip(w) A), ties split as torch.min
-            w_m = tl.minimum(w, delta)
-            clipped = tl.minimum(tl.maximum(w, 1.0 - eps_low), 1.0 + eps_high)
-            a1 = w_m * adv
+            w_m = _min(w, delta)
+            clipped = _min(_max(w, 1.0 - eps_low), 1.0 + eps_high)
+            a1 = _times_w(adv, w_m)
             a2 = clipped * adv
-            pol = -tl.minimum(a1, a2)
+            pol = -_min(a1, a2)
             g1 = tl.where(w <= delta, -adv, 0.0)
             g2 = tl.where((w >= 1.0 - eps_low) & (w <= 1.0 + eps_high), -adv, 0.0)
             dpol_dw = tl.where(a1 < a2, g1, tl.where(a1 > a2, g2, 0.5 * (g1 + g2)))
@@ -137,7 +166,7 @@ def _grpo_loss_fwd_kernel(
             low = (w_m < 1.0 - eps_low) & (adv < 0.0)
             high = (w_m > 1.0 + eps_high) & (adv > 0.0)
         elif LOSS == 1:  # cispo: -stopgrad(min(w, eps_high)) A logp
-            cw = tl.minimum(w, eps_high)
+            cw = _min(w, eps_high)
             pol = -cw * adv * lp
             dpol_dw = tl.zeros_like(lp)
             direct = -cw * adv
@@ -145,9 +174,15 @@ def _grpo_loss_fwd_kernel(
             high = low & (adv < 0.0)  # never: cispo reports one clip fraction, in the "low" column
         else:  # sapo: -(4 / tau) sigmoid(tau (w - 1)) A, tau by the sign of A
             tau = tl.where(adv > 0.0, tau_pos, tau_neg)
-            sg = tl.sigmoid(tau * (w - 1.0))
+            z = tau * (w - 1.0)
+            # sigmoid(z) and sigmoid(-z) from one exp(-|z|): the gate's derivative sg (1 - sg) keeps its
+            # relative precision when sg rounds to 1, and is exactly 0 (not 0 * inf) for w = inf.
+            e = tl.exp(-tl.abs(z))
+            inv = 1.0 / (1.0 + e)
+            sg = tl.where(z >= 0.0, inv, e * inv)
+            sg_c = tl.where(z >= 0.0, e * inv, inv)
             pol = -sg * 4.0 / tau * adv
-            dpol_dw = -4.0 * adv * sg * (1.0 - sg)
+            dpol_dw = -4.0 * adv * sg * sg_c
             direct = tl.zeros_like(lp)
             low = (w < 1.0 - eps_low) & (adv < 0.0)
             high = (w > 1.0 + eps_high) & (adv > 0.0)
@@ -155,25 +190,37 @@ def _grpo_loss_fwd_kernel(
             sampler = tl.load(sampler_ptr + offs, mask=inb, other=0.0)
             r_tok = _sampler_weight((old - sampler) * m, sampler_cap, sampler_truncate)
             r = tl.where(sampler_per_seq != 0, seq_is, r_tok)
-            pol = pol * r
+            pol = tl.where((r == 0.0) & (pol == pol), 0.0, pol * r)  # a zeroed token adds 0, even if pol = inf
             dpol_dw = dpol_dw * r
             direct = direct * r
             diff = tl.abs(lp - sampler)
             acc_diff += tl.where(on & (diff == diff), m * tl.minimum(diff, FLT_MAX), 0.0)  # nan_to_num
-        if HAS_KL:  # k3 = exp(ref - logp) - (ref - logp) - 1, times w with the bias correction
-            ref = tl.load(ref_ptr + offs, mask=inb, other=0.0)
-            e = tl.exp(ref - lp)
-            kl = e - (ref - lp) - 1.0
-            kl_w = tl.where(bias_kl != 0, w, 1.0)
-            pol = pol + beta * kl * kl_w
-            direct = direct + beta * (1.0 - e) * kl_w
-            dpol_dw = dpol_dw + tl.where(bias_kl != 0, beta * kl, 0.0)
-            acc_kl += tl.where(on, m * kl * kl_w, 0.0)
+        if HAS_KL:  # beta k3 k, k3 = exp(ref - logp) - (ref - logp) - 1, k = w with the bias correction, else 1
+            dr = tl.load(ref_ptr + offs, mask=inb, other=0.0) - lp
+            # beta exp(dr) and beta exp(dr) w as single exps: finite wherever the products are, even when
+            # exp(dr) alone overflows (a token the policy has all but ruled out).
+            be = tl.exp(dr + log_beta)
+            bew = tl.exp(dr + log_w + log_beta)
+            fin = w < float("inf")
+            if bias_kl != 0:
+                # For w = inf the term is inf (k3 > 0), or 0 where dr = 0 (k3 = 0): _times_w(dr * dr, w).
+                kl_term = tl.where(fin, bew - beta * (dr + 1.0) * w, _times_w(dr * dr, w))
+                if SEQ_LEVEL:  # d/dlogp with w_s fixed: beta (1 - e) w_s;  d/dw_s: beta k3
+                    direct = direct + tl.where(fin, beta * w - bew, _times_w(beta - be, w))
+                    dpol_dw = dpol_dw + be - beta * (dr + 1.0)
+                else:  # the whole derivative of beta k3 w in logp: -beta dr w (no exp(dr) cancellation)
+                    direct = direct + _times_w(-beta * dr, w)
+            else:
+                kl_term = be - beta * (dr + 1.0)
+                direct = direct + (beta - be)
+            pol = pol + kl_term
+            acc_kl += tl.where(on, m * (kl_term / beta), 0.0)
         if SEQ_LEVEL:
-            coef = tl.where(on, m * direct, 0.0)
+            coef = m * direct
             acc_dw += tl.where(on, m * dpol_dw, 0.0)
         else:
-            coef = tl.where(on, m * (dpol_dw * w + direct), 0.0)
+            coef = m * (_times_w(dpol_dw, w) + direct)
+        coef = tl.where(on, tl.where(pol != pol, pol, coef), 0.0)  # a NaN loss term has a NaN gradient
         tl.store(coef_ptr + offs, coef, mask=inb)
         acc_loss += tl.where(on, m * pol, 0.0)
         acc_n += m
@@ -198,7 +245,7 @@ def _grpo_loss_bwd_kernel(
     a_ptr, b_ptr, coef_ptr, mask_ptr, cu_ptr, grad_ptr, num_chunks,
     SEQ_LEVEL: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """grad_t = a_s coef_t (+ b_s m_t for GSPO)."""
+    """grad_t = a_s coef_t (+ b_s m_t for GSPO, 0 where m_t = 0)."""
     pid = tl.program_id(0).to(tl.int64)
     seq = pid // num_chunks
     start = tl.load(cu_ptr + seq).to(tl.int64)
@@ -212,8 +259,11 @@ def _grpo_loss_bwd_kernel(
         inb = offs < end
         g = a * tl.load(coef_ptr + offs, mask=inb, other=0.0)
         if SEQ_LEVEL:
-            m = tl.load(mask_ptr + offs, mask=inb, other=0.0) if HAS_MASK else 1.0
-            g += b * m
+            if HAS_MASK:
+                m = tl.load(mask_ptr + offs, mask=inb, other=0.0)
+                g += tl.where(m != 0.0, b * m, 0.0)  # 0 for a masked token even where b is NaN
+            else:
+                g += b
         tl.store(grad_ptr + offs, g.to(grad_ptr.dtype.element_ty), mask=inb)
 
 
@@ -369,7 +419,9 @@ def _per_sequence_factors(ctx, grad_stats):
     a = grad_stats[:, 0].float().contiguous()
     if ctx.seq_level:
         col = {name: stats[:, i] for i, name in enumerate(STATS)}
-        b = (a * torch.exp(col["log_w"]) * col["dl_dw"] / col["count"].clamp(min=1.0)).contiguous()
+        w_s = torch.exp(col["log_w"])  # S_s = 0 gives b_s = 0 also for w_s = inf (see _times_w)
+        w_dl_dw = torch.where(col["dl_dw"] == 0, 0.0, w_s * col["dl_dw"])
+        b = (a * w_dl_dw / col["count"].clamp(min=1.0)).contiguous()
     else:
         b = a
     return a, b, coef, mask, cu_seqlens

@@ -1,0 +1,203 @@
+"""grpo_loss and fused_linear_grpo_loss on non-finite inputs and on ratios beyond fp32, every backend against the
+fp64 reference: the behaviour documented in grpo_kernels.grpo_loss ("Non-finite values").
+
+  * NaN in logps / old_logps / advantages / ref_logps (beta > 0) of a token with mask != 0: NaN loss on every
+    backend and loss type, NaN gradient exactly where the reference has one, other gradients unchanged.
+  * NaN / inf in tokens with mask 0: no effect at all, in the reference too.
+  * log-ratios above 88.72 (exp overflows fp32): a clipped token (and A = 0, a zero sampler weight) has gradient
+    0 and a finite loss term; only a value that itself exceeds fp32 is inf, never NaN; the KL term stays finite
+    wherever beta exp(ref - logp) (times w with the bias correction) is.
+"""
+
+import pytest
+import torch
+from helpers import assert_close, device_for
+from test_fused_linear import check as check_fused
+from test_fused_linear import make as make_fused
+from test_fused_linear import run as run_fused
+from test_loss import IMPLS, _small_triton_chunks, make_batch, oracle, run  # noqa: F401 (autouse fixture)
+from test_loss_reference import LOSS_TYPES
+
+NAN, BIG = float("nan"), 100.0  # exp(100) = 2.7e43 > FLT_MAX = 3.4e38; fp64 holds it
+# Per-sequence advantages of make_batch(6, ...): positive, zero, negative, positive, negative; row 5 is empty.
+ADV = torch.tensor([0.8, 0.0, -0.6, 1.1, -0.9, 0.3], dtype=torch.float64)
+
+
+def _as_fp32(metrics):
+    """The fp64 oracle's metrics rounded to fp32 (a ratio of 1e43 is inf there, as in every fp32 backend)."""
+    return {k: v.float() for k, v in metrics.items()}
+
+
+def check_all(impl, x, *, unchecked_metrics=(), dtype=torch.float32, **kw):
+    """Loss, gradient (NaN where and only where the oracle's is) and metrics of a backend, with logps in dtype,
+    against the fp64 oracle rounded to fp32. Returns the backend's (loss, grad)."""
+    loss, grad, metrics = run(impl, x, dtype=dtype, **kw)
+    e_loss, e_grad, e_metrics = oracle(x, **kw)
+    assert_close(loss, e_loss.float(), name=f"loss [{impl} {kw}]")
+    assert_close(grad * x["mask"], (e_grad * x["mask"]).float(), name=f"grad [{impl} {kw}]", dtype=dtype)
+    assert set(metrics) == set(e_metrics)
+    for key, value in _as_fp32(e_metrics).items():
+        if key not in unchecked_metrics:
+            assert_close(metrics[key], value, name=f"metric {key} [{impl} {kw}]")
+    return loss, grad
+
+
+# ------------------------------------------------------------------------------------------------------- NaN
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_nan_in_an_unmasked_input_gives_nan_loss_and_the_references_nan_gradients(impl, triton_device, level):
+    """Advantages per sequence and per token (the kernels' two advantage paths); the KL term on, bias-corrected."""
+    dev = device_for(impl, triton_device)
+    for key, adv_per_token in (("logps", False), ("old", False), ("ref", False), ("adv", False), ("adv", True)):
+        for loss_type in LOSS_TYPES:
+            x = make_batch(device=dev)
+            if key == "adv":
+                x["adv"][1] = NAN  # sequence 1's advantage (each of its tokens' with adv_per_token)
+            else:
+                x[key][1, 0] = NAN  # mask[1, 0] = 1 (every row but the last has a token)
+            kw = dict(loss_type=loss_type, beta=0.04, importance_sampling_level=level, use_bias_correction_kl=True,
+                      adv_per_token=adv_per_token)  # fmt: skip
+            loss, grad = check_all(impl, x, **kw)
+            assert torch.isnan(loss), f"{key} NaN became {loss.item()} [{impl} {loss_type}]"
+            assert not bool(torch.isnan(grad[[0, 2, 3, 4]]).any()), "a NaN reached another sequence's gradient"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_nan_and_inf_in_masked_tokens_change_nothing_in_reference_and_backends(impl, triton_device):
+    """Padding holding NaN / inf (logps, old, ref, sampler): the fp64 reference on the garbage equals the
+    reference on clean inputs (before: NaN * 0 = NaN made its loss NaN), and every backend equals both."""
+    dev = device_for(impl, triton_device)
+    clean = make_batch(device=dev)
+    pad = clean["mask"] == 0
+    dirty = dict(clean)
+    for key in ("logps", "old", "ref", "sampler"):
+        dirty[key] = clean[key].masked_fill(pad, NAN)
+    dirty["logps"] = dirty["logps"].masked_fill(pad & (torch.arange(21, device=dev) % 3 == 0), float("inf"))
+    dirty["old"] = dirty["old"].masked_fill(pad & (torch.arange(21, device=dev) % 3 == 1), float("-inf"))
+    for loss_type in LOSS_TYPES:
+        for level in ("token", "sequence"):
+            kw = dict(loss_type=loss_type, beta=0.04, importance_sampling_level=level,
+                      sampler_is_mode="token_mask", use_bias_correction_kl=True)  # fmt: skip
+            e_loss, e_grad, e_metrics = oracle(clean, **kw)
+            d_loss, d_grad, d_metrics = oracle(dirty, **kw)
+            assert_close(d_loss, e_loss, name="reference loss with garbage padding", dtype=torch.float64)
+            assert_close(
+                d_grad, e_grad * clean["mask"], name="reference grad with garbage padding", dtype=torch.float64
+            )
+            for key in e_metrics:
+                assert_close(d_metrics[key], e_metrics[key], name=f"reference {key}", dtype=torch.float64)
+            check_all(impl, dirty, **kw)
+
+
+# ------------------------------------------------------------------------------------------ ratios beyond fp32
+def _overflowing(dev, level, seqs, *, big=BIG):
+    """make_batch with ADV and log-ratio logp - old = big at tokens 0 and 2 (token level) or at every token
+    (sequence level: the sequence's ratio is exp(big)) of the sequences `seqs`."""
+    x = make_batch(device=dev)
+    x["adv"] = ADV.to(dev)
+    cols = slice(None) if level == "sequence" else [0, 2]
+    for s in seqs:
+        x["old"][s, cols] = x["logps"][s, cols] - big
+    return x
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_clipped_overflowing_ratio_gives_zero_gradient_and_finite_loss(impl, triton_device, level):
+    """w = exp(100): clipped for A > 0 (grpo family: the clip branch is the min), for A < 0 with dual clip delta,
+    gated by cispo's stop-gradient min and sapo's saturated sigmoid; A = 0 multiplies it by an exact 0. The fp64
+    reference is finite there, and so must every fp32 backend be (before: NaN gradients, inf * 0)."""
+    dev = device_for(impl, triton_device)
+    for loss_type in LOSS_TYPES:
+        for delta in (None, 1.5):
+            family0 = loss_type not in ("cispo", "sapo")
+            seqs = [0, 1, 3] + ([2, 4] if delta is not None or not family0 else [])
+            x = _overflowing(dev, level, seqs)
+            for beta in (0.0, 0.04):
+                kw = dict(loss_type=loss_type, importance_sampling_level=level, delta=delta, beta=beta,
+                          epsilon_high=0.28)  # fmt: skip
+                loss, grad = check_all(impl, x, **kw)
+                assert torch.isfinite(loss) and bool(torch.isfinite(grad).all()), kw
+                if family0 or loss_type == "sapo":
+                    tokens = x["mask"][seqs].bool() if level == "sequence" else x["mask"][seqs][:, [0, 2]].bool()
+                    pol_grad = grad[seqs] if level == "sequence" else grad[seqs][:, [0, 2]]
+                    if beta == 0.0:
+                        assert bool((pol_grad[tokens] == 0).all()), "a clipped token got a gradient"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_unclipped_overflow_is_inf_not_nan_and_spares_other_tokens(impl, triton_device):
+    """grpo family, A < 0, no delta, w = exp(100): -w A = 1.6e43 really exceeds fp32, so the loss is +inf (the
+    fp64 reference rounded to fp32) and so is that token's gradient; no NaN anywhere, the other tokens' gradients
+    are exact. A zero sampler weight (token_mask above the cap) on such a token gives 0, not inf * 0."""
+    dev = device_for(impl, triton_device)
+    x = _overflowing(dev, "token", [0, 2, 4])
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
+        loss, grad = check_all(impl, x, loss_type=loss_type)
+        assert loss.item() == float("inf") and not bool(torch.isnan(grad).any())
+        assert bool(torch.isfinite(grad[[0, 1, 3]]).all())
+        zeroed = dict(x, sampler=x["old"].clone())  # sampler weight exp(old - sampler) = 1 ...
+        zeroed["sampler"][:, [0, 2]] -= 5.0  # ... but e^5 > cap 3 at the overflowing tokens: token_mask zeroes them
+        loss, grad = check_all(impl, zeroed, loss_type=loss_type, sampler_is_mode="token_mask")
+        assert torch.isfinite(loss) and bool(torch.isfinite(grad).all())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_kl_term_finite_wherever_its_fp64_value_fits_fp32(impl, triton_device):
+    """ref - logp = 90: exp overflows fp32 but beta exp = 4.9e37 does not (no bias correction; the "kl" metric, a
+    mean of per-token k3 with one of 1.2e39, is inf). A collapsed token (logp = -150, old = -1, ref = -2) with the
+    bias correction: w = e^-149 underflows and exp(ref - logp) = e^148 overflows, k3 w ~ e^-1. Both were inf or
+    NaN in fp32; the loss and gradients must match the fp64 reference."""
+    dev = device_for(impl, triton_device)
+    for loss_type in LOSS_TYPES:
+        x = make_batch(device=dev)
+        x["ref"][0, 3] = x["logps"][0, 3] + 90.0
+        kw = dict(loss_type=loss_type, beta=0.04)
+        loss, grad = check_all(impl, x, unchecked_metrics=("kl",), **kw)
+        assert torch.isfinite(loss) and bool(torch.isfinite(grad).all()), loss_type
+        x = make_batch(device=dev)
+        x["logps"][1, 0], x["old"][1, 0], x["ref"][1, 0] = -150.0, -1.0, -2.0
+        kw = dict(loss_type=loss_type, beta=0.04, use_bias_correction_kl=True)
+        loss, grad = check_all(impl, x, **kw)
+        assert torch.isfinite(loss) and bool(torch.isfinite(grad).all()), loss_type
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bf16_logps_nan_propagates_and_clipped_overflow_stays_finite(impl, triton_device):
+    """The same two behaviours with bf16 logps (widened to fp32 in the kernels, gradient returned in bf16)."""
+    dev = device_for(impl, triton_device)
+    for loss_type in ("grpo", "cispo", "sapo"):
+        x = make_batch(device=dev)
+        x["logps"] = x["logps"].bfloat16().double()  # exactly representable: the oracle sees the same values
+        x["old"][2, 0] = NAN
+        loss, _ = check_all(impl, x, dtype=torch.bfloat16, loss_type=loss_type, beta=0.04)
+        assert torch.isnan(loss)
+        x = _overflowing(dev, "token", [0, 1, 3] if loss_type == "grpo" else [0, 1, 2, 3, 4])
+        x["logps"] = x["logps"].bfloat16().double()
+        x["old"] = torch.where(x["old"] < x["logps"] - 50, x["logps"] - BIG, x["old"])
+        loss, grad = check_all(impl, x, dtype=torch.bfloat16, loss_type=loss_type, beta=0.04)
+        assert torch.isfinite(loss) and bool(torch.isfinite(grad).all())
+
+
+# ------------------------------------------------------------------------------------------------ fused linear
+@pytest.mark.parametrize("impl,level", [("cpp", "token"), ("cpp", "sequence"), ("triton", "token")])
+def test_fused_linear_overflowing_clipped_token_keeps_weight_gradient_finite(triton_device, impl, level):
+    """One token (two at sequence level: a whole sequence) with log-ratio 100 and A > 0: the clipped branch, zero
+    gradient. The weight gradient sums every token's, so one inf * 0 = NaN there made all of it NaN."""
+    dev = device_for(impl, triton_device)
+    x = make_fused(device=dev)
+    logits = torch.nn.functional.linear(x["hidden"].double(), x["weight"].double(), x["bias"].double()) / 0.8
+    logps = torch.log_softmax(logits, -1).gather(-1, x["ids"][..., None])[..., 0].float()
+    x["adv"] = torch.tensor([0.7, -0.5, 0.2], device=dev)
+    x["old"] = logps + 0.2 * torch.randn_like(logps)
+    if level == "sequence":
+        x["old"][0] = logps[0] - BIG
+    else:
+        x["old"][0, 4] = logps[0, 4] - BIG
+    kw = dict(loss_type="grpo", importance_sampling_level=level, beta=0.04)
+    got = run_fused(impl, x, chunk_tokens=5, **kw)
+    want = run_fused("reference", {k: v.double() if v.is_floating_point() else v for k, v in x.items()}, **kw)
+    want = (*want[:4], _as_fp32(want[4]))
+    for g in got[:4]:
+        assert bool(torch.isfinite(g).all())
+    check_fused(got, want, f"{impl} {level}")

@@ -40,7 +40,8 @@ def _logprobs_fwd_kernel(
         m_new = tl.maximum(m, z)
         # Lanes that have seen no value yet keep m = -inf; the finite stand-ins below keep -inf - -inf (NaN)
         # out of every expression, selected or not.
-        seen = m_new > float("-inf")
+        # A NaN logit counts as seen (tl.maximum drops NaN): its exp is NaN, and so become the row's sums and lse.
+        seen = (m_new > float("-inf")) | (z != z)
         m_ref = tl.where(seen, m_new, 0.0)
         z_fin = tl.where(valid, z, m_ref)
         scale = tl.exp(m - m_ref)

@@ -20,6 +20,7 @@ from .advantages import group_advantages
 from .fused_linear import FusedLinearGRPOLoss, fused_linear_grpo_loss, fused_linear_logprobs
 from .logprobs import selective_logprobs
 from .loss import GRPOLoss, grpo_loss, grpo_loss_from_logits
+from .options import LossOptions
 from .types import GroupAdvantages
 
 attention.register_on_import()  # attn_implementation="grpo_varlen" for HF models, without importing transformers
@@ -30,6 +31,7 @@ __all__ = [
     "FusedLinearGRPOLoss",
     "GRPOLoss",
     "GroupAdvantages",
+    "LossOptions",
     "__version__",
     "attention",
     "fused_linear_grpo_loss",

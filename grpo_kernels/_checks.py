@@ -80,3 +80,130 @@ def check_ids(ids, shape, device: torch.device, vocab: int, source: str) -> None
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab:
             raise ValueError(f"ids must lie in [0, V={vocab}), found {lo if lo < 0 else hi}")
+
+
+def check_number(name, value, *, low=None, high=None, low_open=False, allow_none=False) -> float | None:
+    """A finite real (not a bool) within [low, high) ((low, high) with low_open); None passes with allow_none."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if low is not None and (value <= low if low_open else value < low):
+        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value!r}")
+    if high is not None and value >= high:
+        raise ValueError(f"{name} must be < {high}, got {value!r}")
+    return float(value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The loss's per-call arguments (its options are checked by options.LossOptions).
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_loss_inputs(options, *, num_items_in_batch, ref_logps, sampler_logps) -> None:
+    """The per-call arguments that go with the options: num_items_in_batch > 0 (a number or a one-element tensor),
+    sampler_logps exactly with a sampler_is_mode, ref_logps when beta > 0."""
+    if isinstance(num_items_in_batch, torch.Tensor):
+        if num_items_in_batch.numel() != 1:
+            raise ValueError(f"num_items_in_batch must be a scalar, got shape {tuple(num_items_in_batch.shape)}")
+        if num_items_in_batch.device.type == "meta":
+            raise ValueError("num_items_in_batch is a meta tensor: it has no value")
+        if not torch.compiler.is_compiling():  # one scalar host read (TRL's value lives on the device)
+            check_number("num_items_in_batch", num_items_in_batch.item(), low=0.0, low_open=True)
+    else:
+        check_number("num_items_in_batch", num_items_in_batch, low=0.0, low_open=True, allow_none=True)
+    if (sampler_logps is None) != (options.sampler_is_mode is None):
+        raise ValueError("sampler_logps and sampler_is_mode go together: give both or neither")
+    if options.beta != 0.0 and ref_logps is None:
+        raise ValueError("beta > 0 needs ref_logps (the reference model's per-token log-probs)")
+
+
+def check_like(name, x, logps, *, float_only=True) -> None:
+    """x is a tensor of the shape and device of logps (and, float_only, floating point and not requiring grad)."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(x).__name__}")
+    if x.shape != logps.shape:
+        raise ValueError(f"{name} must have the shape of logps {tuple(logps.shape)}, got {tuple(x.shape)}")
+    if x.device != logps.device:
+        raise ValueError(f"{name} is on {x.device} but logps are on {logps.device}")
+    if float_only and not x.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    if float_only and x.requires_grad:
+        raise ValueError(f"{name} requires grad, but grpo_loss differentiates w.r.t. logps only: detach it")
+
+
+def check_loss_layout(logps, advantages, mask, cu_seqlens, max_seqlen):
+    """-> (num_seqs, cu_seqlens int64 on the device, max_seqlen, advantages per token?)."""
+    if not isinstance(logps, torch.Tensor) or logps.dtype not in _FLOATS:
+        got = logps.dtype if isinstance(logps, torch.Tensor) else type(logps).__name__
+        raise ValueError(f"logps must be a float32/bfloat16/float16 tensor, got {got}")
+    if cu_seqlens is None:
+        if logps.dim() != 2:
+            raise ValueError(
+                f"logps must be padded [B, L] (with mask) or packed [T] with cu_seqlens, got {tuple(logps.shape)}"
+            )
+        b, length = logps.shape
+        cu = torch.arange(b + 1, device=logps.device, dtype=torch.int64) * length
+        max_len = length
+    else:
+        if logps.dim() != 1:
+            raise ValueError(f"cu_seqlens goes with packed logps [T], got logps of shape {tuple(logps.shape)}")
+        max_len = check_cu_seqlens(cu_seqlens, logps.shape[0], logps.device, max_seqlen=max_seqlen)
+        b, cu = cu_seqlens.shape[0] - 1, cu_seqlens.to(torch.int64).contiguous()
+    if b == 0:
+        raise ValueError("empty batch: logps hold no sequence")
+    if not isinstance(advantages, torch.Tensor) or not advantages.is_floating_point():
+        raise ValueError("advantages must be a floating-point tensor")
+    if advantages.device != logps.device:
+        raise ValueError(f"advantages are on {advantages.device} but logps are on {logps.device}")
+    if advantages.requires_grad:
+        raise ValueError("advantages require grad, but grpo_loss differentiates w.r.t. logps only: detach them")
+    if advantages.shape == logps.shape:
+        per_token = True
+    elif advantages.shape == (b,):
+        per_token = False
+    else:
+        raise ValueError(
+            f"advantages must be per sequence [{b}] or per token {tuple(logps.shape)}, got {tuple(advantages.shape)}"
+        )
+    if mask is not None:
+        check_like("mask", mask, logps, float_only=False)
+        if mask.dtype.is_complex:
+            raise ValueError("mask must be bool, integer or floating point")
+    return b, cu, max_len, per_token
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The fused LM head (fused_linear).
+
+
+def check_chunk_tokens(chunk_tokens) -> None:
+    """chunk_tokens is "auto" or a positive int."""
+    if chunk_tokens == "auto":
+        return
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be 'auto' or a positive int, got {chunk_tokens!r}")
+
+
+def check_linear_head(hidden, weight, bias, ids, temperature, impl) -> None:
+    """The LM-head inputs of the fused loss: hidden [B, L, H] or [T, H], weight [V, H] and bias [V] of its dtype and
+    device, ids in [0, V) of the shape of hidden without H, a positive temperature (float64 only for the reference)."""
+    floats = (torch.float32, torch.bfloat16, torch.float16) + ((torch.float64,) if impl == "reference" else ())
+    if not isinstance(hidden, torch.Tensor) or hidden.dtype not in floats:
+        raise ValueError("hidden must be a float32/bfloat16/float16 tensor [B, L, H] or packed [T, H]")
+    if hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden must be [B, L, H] or packed [T, H], got shape {tuple(hidden.shape)}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"weight must be [V, H={hidden.shape[-1]}] (the LM head), got {got}")
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise ValueError(
+            f"weight ({weight.dtype}, {weight.device}) must match hidden ({hidden.dtype}, {hidden.device})"
+        )
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],)):
+        raise ValueError(f"bias must be a tensor [V={weight.shape[0]}]")
+    if bias is not None and (bias.dtype != hidden.dtype or bias.device != hidden.device):
+        raise ValueError("bias must have the dtype and device of hidden")
+    check_ids(ids, hidden.shape[:-1], hidden.device, weight.shape[0], "hidden without H")
+    check_temperature(temperature)

@@ -15,16 +15,24 @@ weight every token by a whole-sequence statistic of the log-probs, so they take 
 first, then the loss and its g, then the logits are recomputed per chunk (four matmuls instead of three).
 """
 
-import math
 from functools import partial
 
 import torch
 
 from . import _C, reference
-from ._checks import check_flag, check_ids, check_impl, check_temperature
-from .loss import _check_tensor, _finish, _flat, _layout, _options, grpo_loss
+from ._checks import (
+    check_chunk_tokens,
+    check_flag,
+    check_impl,
+    check_like,
+    check_linear_head,
+    check_loss_inputs,
+    check_loss_layout,
+)
+from .loss import grpo_loss
 from .ops import logprobs as _lp_ops
 from .ops import loss as _loss_ops
+from .options import OPTION_NAMES, LossOptions
 
 __all__ = ["FusedLinearGRPOLoss", "fused_linear_grpo_loss", "fused_linear_logprobs"]
 
@@ -34,37 +42,16 @@ DEFAULT_CHUNK_BYTES = 256 * 2**20  # the logits chunk: large enough for efficien
 def _chunk_rows(chunk_tokens, v: int, itemsize: int) -> int:
     if chunk_tokens == "auto":
         return max(1, DEFAULT_CHUNK_BYTES // (v * itemsize))
-    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be 'auto' or a positive int, got {chunk_tokens!r}")
+    check_chunk_tokens(chunk_tokens)
     return chunk_tokens
 
 
-def _check_linear(hidden, weight, bias, ids, temperature, impl):
-    floats = (torch.float32, torch.bfloat16, torch.float16) + ((torch.float64,) if impl == "reference" else ())
-    if not isinstance(hidden, torch.Tensor) or hidden.dtype not in floats:
-        raise ValueError("hidden must be a float32/bfloat16/float16 tensor [B, L, H] or packed [T, H]")
-    if hidden.dim() not in (2, 3):
-        raise ValueError(f"hidden must be [B, L, H] or packed [T, H], got shape {tuple(hidden.shape)}")
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
-        raise ValueError(f"weight must be [V, H={hidden.shape[-1]}] (the LM head), got {got}")
-    if weight.dtype != hidden.dtype or weight.device != hidden.device:
-        raise ValueError(
-            f"weight ({weight.dtype}, {weight.device}) must match hidden ({hidden.dtype}, {hidden.device})"
-        )
-    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],)):
-        raise ValueError(f"bias must be a tensor [V={weight.shape[0]}]")
-    if bias is not None and (bias.dtype != hidden.dtype or bias.device != hidden.device):
-        raise ValueError("bias must have the dtype and device of hidden")
-    check_ids(ids, hidden.shape[:-1], hidden.device, weight.shape[0], "hidden without H")
-    check_temperature(temperature)
-
-
 class _Rows:
-    """The row kernels (log-probs forward, in-place backward) and the loss kernel of one backend."""
+    """The row kernels (log-probs forward, in-place backward) of one backend ("triton" or "cpp")."""
 
     def __init__(self, backend: str, temperature: float, entropy: bool):
-        self.triton, self.t, self.entropy = backend == "triton", float(temperature), entropy
+        self.backend, self.t, self.entropy = backend, float(temperature), entropy
+        self.triton = backend == "triton"
 
     def logprobs(self, logits, ids):  # -> (logps, entropy, lse), fp32 [C]
         if self.triton:
@@ -76,9 +63,6 @@ class _Rows:
             _lp_ops.logprobs_bwd_triton(g, None, logits, ids, lse, None, self.t, True)
         else:
             _C.selective_logprobs_backward(g, None, logits, ids, lse, None, self.t, True)
-
-    def loss(self, *args):
-        return _loss_ops.grpo_loss_fwd_triton(*args) if self.triton else _C.grpo_loss_fwd(*args[:8], *args[9:])
 
 
 class _Chunks:
@@ -118,8 +102,9 @@ class _Chunks:
         return self.grad_h, cast(self.grad_w, self.w), None if self.b is None else cast(self.grad_b, self.b)
 
 
-def _token_level_pass(chunks, rows, ids, flat, layout, opts):
-    """One pass; returns per-sequence stats [B, NUM_STATS] and the entropy sum. flat: the loss op's inputs."""
+def _token_level_pass(chunks, rows, ids, flat, layout, finish):
+    """One pass; returns per-sequence stats [B, NUM_STATS] and the entropy sum. flat: the loss op's inputs;
+    finish: the arguments of ops.loss.finish after the stats."""
     b, cu_host, seq_of = layout
     old, ref, sampler, adv, adv_per_token, mask = flat
     stats = torch.zeros(b, _loss_ops.NUM_STATS, dtype=torch.float32, device=ids.device)
@@ -127,8 +112,9 @@ def _token_level_pass(chunks, rows, ids, flat, layout, opts):
     counts[:, 1] = _segment_sum(mask, layout, ids.device)
     counts.requires_grad_()
     with torch.enable_grad():
-        a = torch.autograd.grad(_finish(counts, None, **opts["finish"])[0], counts)[0][:, 0].contiguous()
+        a = torch.autograd.grad(_loss_ops.finish(counts, None, **finish)[0], counts)[0][:, 0].contiguous()
     entropy_sum = torch.zeros((), dtype=torch.float32, device=ids.device)
+    scalars = finish["options"].kernel_scalars()
     for c0, c1 in chunks:
         logits = chunks.logits(c0, c1)
         lp, ent, lse = rows.logprobs(logits, ids[c0:c1])
@@ -137,9 +123,10 @@ def _token_level_pass(chunks, rows, ids, flat, layout, opts):
         seq_f = torch.tensor(frag_seq, dtype=torch.int64, device=ids.device)
         part = partial(_slice, c0=c0, c1=c1)
         adv_c = adv[c0:c1] if adv_per_token else adv[seq_f]
-        args = (lp, part(old), part(ref), part(sampler), adv_c, adv_per_token, part(mask), cu_f,
-                max(e - s for s, e in zip(frag_cu, frag_cu[1:], strict=False)), *opts["kernel"])  # fmt: skip
-        stats_f, coef = rows.loss(*args)
+        stats_f, coef = _loss_ops.grpo_loss_fwd(
+            rows.backend, lp, part(old), part(ref), part(sampler), adv_c, adv_per_token, part(mask), cu_f,
+            max(e - s for s, e in zip(frag_cu, frag_cu[1:], strict=False)), scalars,
+        )  # fmt: skip
         stats.index_add_(0, seq_f, stats_f)
         rows.dlogits_(a[seq_of[c0:c1]] * coef, logits, ids[c0:c1], lse)
         chunks.backward(c0, c1, logits)
@@ -183,7 +170,7 @@ def fused_linear_logprobs(hidden, weight, ids, *, bias=None, temperature=1.0, re
     For old/reference log-probs. hidden `[B, L, H]` or `[T, H]`, weight `[V, H]`; returns float32 log-probs of
     the shape of ids (and the entropy when asked). The outputs carry no gradient.
     """
-    _check_linear(hidden, weight, bias, ids, temperature, impl)
+    check_linear_head(hidden, weight, bias, ids, temperature, impl)
     check_impl(impl, hidden.device, "hidden")
     check_flag("return_entropy", return_entropy)
     shape, h2, ids_flat = ids.shape, hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1).long()
@@ -263,10 +250,10 @@ def fused_linear_grpo_loss(
         (loss, metrics) as grpo_loss. Gradients flow to hidden, weight and bias; the weight's gradient is
         summed over chunks in fp32 and cast once to the weight's dtype.
     """
-    _check_linear(hidden, weight, bias, ids, temperature, impl)
+    check_linear_head(hidden, weight, bias, ids, temperature, impl)
     check_impl(impl, hidden.device, "hidden")
     check_flag("return_entropy", return_entropy)
-    unknown = set(options) - _LOSS_OPTIONS
+    unknown = set(options) - _CALL_DEFAULTS.keys() - set(OPTION_NAMES)
     if unknown:
         raise TypeError(f"fused_linear_grpo_loss got unknown option(s) {sorted(unknown)}")
     if impl == "reference":
@@ -279,65 +266,54 @@ def fused_linear_grpo_loss(
             m = torch.ones_like(entropy) if m is None else m.to(entropy.dtype)
             metrics["entropy"] = ((entropy * m).sum() / m.sum().clamp(min=1.0)).detach()
         return loss, metrics
-    opts = {**_DEFAULTS, **options}
-    _options(*(opts[k] for k in _OPTION_ORDER))
+    loss_options = LossOptions(**{k: v for k, v in options.items() if k in OPTION_NAMES})
+    call = {**_CALL_DEFAULTS, **{k: v for k, v in options.items() if k in _CALL_DEFAULTS}}
+    check_loss_inputs(loss_options, num_items_in_batch=call["num_items_in_batch"], ref_logps=call["ref_logps"],
+                      sampler_logps=call["sampler_logps"])  # fmt: skip
     shape_ref = torch.empty((), dtype=torch.float32, device=hidden.device).expand(ids.shape)
-    b, cu, max_len, adv_per_token = _layout(shape_ref, advantages, opts["mask"], opts["cu_seqlens"], opts["max_seqlen"])
-    for name, key in (("old_logps", None), ("ref_logps", "ref_logps"), ("sampler_logps", "sampler_logps")):
-        x = old_logps if key is None else opts[key]
+    b, cu, max_len, adv_per_token = check_loss_layout(shape_ref, advantages, call["mask"], call["cu_seqlens"],
+                                                      call["max_seqlen"])  # fmt: skip
+    for name in ("old_logps", "ref_logps", "sampler_logps"):
+        x = old_logps if name == "old_logps" else call[name]
         if x is not None:
-            _check_tensor(name, x, shape_ref)
+            check_like(name, x, shape_ref)
     backend = "triton" if impl == "triton" or hidden.is_cuda else "cpp"
     rows_per_chunk = _chunk_rows(chunk_tokens, weight.shape[0], hidden.itemsize)
     run = partial(_run, ids=ids.reshape(-1).long(), ids_shape=ids.shape, advantages=advantages,
-                  old_logps=old_logps, opts=opts, layout=(b, cu, max_len, adv_per_token),
+                  old_logps=old_logps, options=loss_options, call=call, layout=(b, cu, max_len, adv_per_token),
                   rows=_Rows(backend, temperature, return_entropy), rows_per_chunk=rows_per_chunk)  # fmt: skip
     h2 = hidden.reshape(-1, hidden.shape[-1])
-    names = _metric_names(opts, return_entropy)
+    names = loss_options.metric_names(sampler=call["sampler_logps"] is not None, entropy=return_entropy)
     out = _FusedLinearGRPO.apply(h2 if h2.is_contiguous() else h2.contiguous(), weight, bias, run, names)
     return out[0], dict(zip(names, out[1:], strict=True))
 
 
-def _metric_names(opts, entropy: bool) -> list[str]:
-    names = ["cispo_clip_ratio", "ratio_mean"] if opts["loss_type"] == "cispo" else [
-        "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio_mean"]  # fmt: skip
-    names += ["kl"] * (opts["beta"] != 0.0) + ["sampler_logp_abs_diff"] * (opts["sampler_logps"] is not None)
-    return names + ["entropy"] * entropy
-
-
-def _run(hidden, weight, bias, needs, *, ids, ids_shape, advantages, old_logps, opts, layout, rows, rows_per_chunk):
+def _run(hidden, weight, bias, needs, *, ids, ids_shape, advantages, old_logps, options, call, layout, rows,
+         rows_per_chunk):  # fmt: skip
     b, cu, max_len, adv_per_token = layout
     cu_host = cu.tolist()
     lengths = torch.tensor([e - s for s, e in zip(cu_host, cu_host[1:], strict=False)], device=ids.device)
     seq_of = torch.repeat_interleave(torch.arange(b, device=ids.device), lengths)
-    mask = _flat(opts["mask"])
+    mask = _loss_ops.flat_input(call["mask"])
     chunks = _Chunks(hidden, weight, bias, rows_per_chunk, needs)
-    seq_level = opts["importance_sampling_level"] == "sequence" or (opts["sampler_is_mode"] or "").startswith("seq")
-    if seq_level:
-        metrics = _two_pass(chunks, rows, ids, ids_shape, advantages, old_logps, opts, mask)
+    if options.seq_level or (options.sampler_is_mode or "").startswith("seq"):
+        metrics = _two_pass(chunks, rows, ids, ids_shape, advantages, old_logps, options, call, mask)
         loss = metrics.pop("loss")
     else:
-        flat = (_flat(old_logps), _flat(opts["ref_logps"] if opts["beta"] != 0.0 else None),
-                _flat(opts["sampler_logps"]), _flat(advantages), adv_per_token, mask)  # fmt: skip
-        finish = dict(loss_type=opts["loss_type"], seq_level=False, epsilon_low=opts["epsilon_low"],
-                      epsilon_high=opts["epsilon_high"], delta=opts["delta"], beta=opts["beta"],
-                      sampler=opts["sampler_logps"] is not None, max_completion_length=opts["max_completion_length"],
-                      cu_seqlens=cu, num_items_in_batch=opts["num_items_in_batch"])  # fmt: skip
-        kernel = (_loss_ops.LOSS_FAMILIES[opts["loss_type"]], False,
-                  _loss_ops.SAMPLER_MODES.get(opts["sampler_is_mode"], 0), float(opts["epsilon_low"]),
-                  float(opts["epsilon_high"]), math.inf if opts["delta"] is None else float(opts["delta"]),
-                  float(opts["beta"]), opts["use_bias_correction_kl"], float(opts["sampler_is_cap"]),
-                  float(opts["sapo_temperature_pos"]), float(opts["sapo_temperature_neg"]))  # fmt: skip
-        stats, entropy_sum = _token_level_pass(chunks, rows, ids, flat, (b, cu_host, seq_of),
-                                               {"finish": finish, "kernel": kernel})  # fmt: skip
-        loss, metrics = _finish(stats, None if adv_per_token else advantages, **finish)
+        flat = _loss_ops.flat_input
+        inputs = (flat(old_logps), flat(call["ref_logps"] if options.beta != 0.0 else None),
+                  flat(call["sampler_logps"]), flat(advantages), adv_per_token, mask)  # fmt: skip
+        finish = dict(options=options, sampler=call["sampler_logps"] is not None, cu_seqlens=cu,
+                      num_items_in_batch=call["num_items_in_batch"])  # fmt: skip
+        stats, entropy_sum = _token_level_pass(chunks, rows, ids, inputs, (b, cu_host, seq_of), finish)
+        loss, metrics = _loss_ops.finish(stats, None if adv_per_token else advantages, **finish)
         if rows.entropy:
             tokens = stats[:, 1].sum().clamp(min=1.0)
             metrics["entropy"] = entropy_sum / tokens
     return loss, metrics, chunks.grads()
 
 
-def _two_pass(chunks, rows, ids, ids_shape, advantages, old_logps, opts, mask):
+def _two_pass(chunks, rows, ids, ids_shape, advantages, old_logps, options, call, mask):
     """GSPO / sequence-level sampler weights: all log-probs first, then g, then the logits again."""
     t = ids.shape[0]
     logps = torch.empty(t, dtype=torch.float32, device=ids.device)
@@ -349,10 +325,9 @@ def _two_pass(chunks, rows, ids, ids_shape, advantages, old_logps, opts, mask):
         if rows.entropy:
             entropy[c0:c1] = ent
     view = logps.view(ids_shape)
-    options = {k: opts[k] for k in _LOSS_OPTIONS}
     with torch.enable_grad():
         leaf = view.detach().requires_grad_()
-        loss, metrics = grpo_loss(leaf, old_logps, advantages, impl="triton" if rows.triton else "cpp", **options)
+        loss, metrics = grpo_loss(leaf, old_logps, advantages, impl=rows.backend, **call, **options.kwargs())
         (g,) = torch.autograd.grad(loss, leaf)
     g = g.reshape(-1).float().contiguous()
     for c0, c1 in chunks:
@@ -365,16 +340,9 @@ def _two_pass(chunks, rows, ids, ids_shape, advantages, old_logps, opts, mask):
     return {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
 
 
-_DEFAULTS = dict(
-    ref_logps=None, mask=None, cu_seqlens=None, max_seqlen=None, loss_type="dapo", epsilon_low=0.2,
-    epsilon_high=0.2, delta=None, beta=0.0, importance_sampling_level="token", max_completion_length=None,
-    num_items_in_batch=None, sampler_logps=None, sampler_is_mode=None, sampler_is_cap=3.0,
-    use_bias_correction_kl=False, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
-)  # fmt: skip
-_LOSS_OPTIONS = frozenset(_DEFAULTS)
-_OPTION_ORDER = ("loss_type", "epsilon_low", "epsilon_high", "delta", "beta", "importance_sampling_level",
-                 "max_completion_length", "num_items_in_batch", "sampler_logps", "sampler_is_mode", "sampler_is_cap",
-                 "use_bias_correction_kl", "sapo_temperature_pos", "sapo_temperature_neg", "ref_logps")  # fmt: skip
+# fused_linear_grpo_loss's per-call arguments of grpo_loss (beside the LossOptions).
+_CALL_DEFAULTS = dict(ref_logps=None, mask=None, cu_seqlens=None, max_seqlen=None, num_items_in_batch=None,
+                      sampler_logps=None)  # fmt: skip
 
 
 class FusedLinearGRPOLoss(torch.nn.Module):
@@ -385,7 +353,8 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     tokens). `compiled` and `chunk_size` are accepted for compatibility (the chunk is sized by `chunk_tokens`); as in
     Liger, dapo/cispo divide `num_items_in_batch` by the world size. Liger options we do not run raise
     NotImplementedError: `ref_input`/`ref_weight` (pass `ref_per_token_logps`), `vllm_is_ratio` (use
-    fused_linear_grpo_loss with sampler_logps/sampler_is_mode), and the "luspo"/"vespo" loss types.
+    fused_linear_grpo_loss with sampler_logps/sampler_is_mode), and the "luspo"/"vespo" loss types. The loss options
+    are held (and checked) as a `LossOptions`, `self.options`.
     """
 
     def __init__(self, beta=0.04, compiled=True, use_ref_model=True, chunk_size=1, epsilon_low=0.2, epsilon_high=0.2,
@@ -398,17 +367,12 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         unknown = set(vespo) - {"vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"}
         if unknown:
             raise TypeError(f"FusedLinearGRPOLoss got unknown argument(s) {sorted(unknown)}")
-        self.beta, self.use_ref_model, self.temperature, self.chunk_tokens = (
-            beta,
-            use_ref_model,
-            temperature,
-            chunk_tokens,
-        )
-        self.options = dict(
+        self.temperature, self.chunk_tokens = temperature, chunk_tokens
+        self.options = LossOptions(
             loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
-            importance_sampling_level=importance_sampling_level, max_completion_length=max_completion_length,
-            sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-            use_bias_correction_kl=use_bias_correction_kl,
+            beta=beta if use_ref_model else 0.0, importance_sampling_level=importance_sampling_level,
+            max_completion_length=max_completion_length, sapo_temperature_pos=sapo_temperature_pos,
+            sapo_temperature_neg=sapo_temperature_neg, use_bias_correction_kl=use_bias_correction_kl,
         )  # fmt: skip
 
     def forward(self, _input, lin_weight, selected_token_ids, attention_mask, advantages, bias=None,
@@ -420,16 +384,15 @@ class FusedLinearGRPOLoss(torch.nn.Module):
             raise NotImplementedError(
                 "vllm_is_ratio: use fused_linear_grpo_loss(sampler_logps=..., sampler_is_mode=...)"
             )
-        beta = self.beta if self.use_ref_model else 0.0
+        beta = self.options.beta
         if num_items_in_batch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
             num_items_in_batch = num_items_in_batch / torch.distributed.get_world_size()
         loss, metrics = fused_linear_grpo_loss(
             _input, lin_weight, selected_token_ids, advantages, bias=bias, old_logps=old_per_token_logps,
-            ref_logps=ref_per_token_logps if beta else None, mask=attention_mask, beta=beta,
-            temperature=self.temperature, chunk_tokens=self.chunk_tokens, num_items_in_batch=num_items_in_batch,
-            **self.options,
+            ref_logps=ref_per_token_logps if beta else None, mask=attention_mask, temperature=self.temperature,
+            chunk_tokens=self.chunk_tokens, num_items_in_batch=num_items_in_batch, **self.options.kwargs(),
         )  # fmt: skip
         clip = metrics.get("clip_ratio/region_mean", metrics.get("cispo_clip_ratio"))
-        if self.options["loss_type"] == "sapo":  # Liger reports no clipping for SAPO's soft gate
+        if self.options.loss_type == "sapo":  # Liger reports no clipping for SAPO's soft gate
             clip = torch.zeros_like(clip)
         return loss, ([metrics["kl"]] if beta else []) + [clip]

@@ -140,3 +140,33 @@ def test_a_group_size_beyond_the_step_budget_is_refused_at_load():
     config = load_config("examples/train_tiny_cpu.toml", ["sampling.group_size=1000000",
                                                           "sampling.max_step_tokens=100000000"])  # fmt: skip
     assert config.sampling.group_size == 1000000
+
+
+def test_every_loss_entry_takes_the_loss_options_names_and_defaults():
+    import dataclasses
+    import inspect
+
+    from grpo_kernels.train.config import LossConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(gk.LossOptions)}
+    for fn in (gk.grpo_loss, gk.reference.grpo_loss):
+        params = inspect.signature(fn).parameters
+        assert {k: params[k].default for k in defaults} == defaults, fn.__qualname__
+    assert {f.name: f.default for f in dataclasses.fields(LossConfig)} == defaults
+    assert LossConfig(loss_type="grpo", beta=0.04).options() == gk.LossOptions(loss_type="grpo", beta=0.04)
+
+
+def test_loss_options_are_frozen_checked_and_name_the_op_scalars():
+    import dataclasses
+
+    with pytest.raises(ValueError, match="epsilon_low must be < 1.0"):
+        gk.LossOptions(epsilon_low=1.0)
+    with pytest.raises(ValueError, match="sampler_is_mode must be one of"):
+        gk.LossOptions(sampler_is_mode="tok")
+    options = gk.LossOptions(loss_type="cispo", beta=0.04)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.beta = 0.0
+    schema = [a.name for a in torch.ops.grpo_kernels.grpo_loss_fwd.default._schema.arguments]
+    scalars = options.kernel_scalars()
+    assert schema[-len(scalars) :] == list(scalars._fields)
+    assert options.metric_names(sampler=True) == ("cispo_clip_ratio", "ratio_mean", "kl", "sampler_logp_abs_diff")

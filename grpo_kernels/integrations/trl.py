@@ -42,6 +42,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import nanmax, nanmin
 
 from ..fused_linear import fused_linear_grpo_loss, fused_linear_logprobs
+from ..options import LossOptions
 from .hf import backbone, check_plain_head, head_inputs, lm_head
 
 __all__ = ["FusedGRPOTrainer", "check_config", "use_grpo_kernels"]
@@ -128,24 +129,26 @@ def _enable(trainer) -> None:
 def _loss_options(trainer, inputs, old, mask) -> dict:
     """fused_linear_grpo_loss's keyword arguments for this micro-batch (num_items_in_batch: see _normalizer)."""
     args = trainer.args
-    options = dict(
-        mask=mask, loss_type=trainer.loss_type, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high,
+    sampler = trainer.use_vllm and trainer.vllm_importance_sampling_correction
+    # TRL multiplies the policy term by its ratio (truncated or masked already). As sampler log-probs
+    # old - log(ratio), the kernel's exp(old - sampler) is that ratio; the cap (float32 max) never binds.
+    options = LossOptions(
+        loss_type=trainer.loss_type, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high,
         delta=args.delta if trainer.loss_type in CLIP_LOSSES else None, beta=trainer.beta,
-        ref_logps=inputs["ref_per_token_logps"] if trainer.beta != 0.0 else None,
         importance_sampling_level=trainer.importance_sampling_level,
         max_completion_length=trainer.max_completion_length, use_bias_correction_kl=args.use_bias_correction_kl,
         sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
-        num_items_in_batch=1.0 if trainer.loss_type in ("dapo", "cispo") else None,
+        **(dict(sampler_is_mode="token_truncate", sampler_is_cap=torch.finfo(torch.float32).max) if sampler else {}),
     )  # fmt: skip
-    if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
-        # TRL multiplies the policy term by its ratio (truncated or masked already). As sampler log-probs
-        # old - log(ratio), the kernel's exp(old - sampler) is that ratio; the cap (float32 max) never binds and
-        # log(0) is floored at -1e4, whose exp is exactly 0.
-        ratio = inputs["importance_sampling_ratio"]
-        log_ratio = torch.log(ratio.float()).clamp(min=-1e4).expand_as(old)
-        options.update(sampler_logps=old - log_ratio, sampler_is_mode="token_truncate",
-                       sampler_is_cap=torch.finfo(torch.float32).max)  # fmt: skip
-    return options
+    sampler_logps = None
+    if sampler:  # log(0) is floored at -1e4, whose exp is exactly 0
+        log_ratio = torch.log(inputs["importance_sampling_ratio"].float()).clamp(min=-1e4).expand_as(old)
+        sampler_logps = old - log_ratio
+    return dict(
+        mask=mask, ref_logps=inputs["ref_per_token_logps"] if trainer.beta != 0.0 else None,
+        num_items_in_batch=1.0 if trainer.loss_type in ("dapo", "cispo") else None, sampler_logps=sampler_logps,
+        **options.kwargs(),
+    )  # fmt: skip
 
 
 def _normalizer(trainer, inputs, mode):

@@ -14,8 +14,9 @@ which are added in a fixed order afterwards: the forward is deterministic, with 
              sequence (the normalizer, from autograd on the [B] sums) and, for GSPO, b_s = a_s w_s S_s / n_s
              with S_s = sum_t m dl/dw_s.
 
-The op returns stats [B, NUM_STATS] (per sequence: the columns named in STATS) and coef [T]; the public
-function (grpo_kernels.loss) turns stats into the loss with TRL's normalizer and into the metrics.
+The op returns stats [B, NUM_STATS] (per sequence: the columns named in STATS) and coef [T]; `finish` turns stats
+into the loss with TRL's normalizer and into the metrics. `grpo_loss_fwd` (the op's inputs, the scalars as
+options.KernelScalars) is the one way in, for the public function, the fused LM head and torch.compile.
 Hyperparameters (epsilons, delta, beta, the sampler cap, the SAPO temperatures) are runtime arguments; the
 constexprs are the loss family and which inputs exist. Everything is computed in fp32.
 
@@ -28,12 +29,17 @@ value that itself exceeds fp32 (the unclipped -w A with A < 0 and no delta) is i
 beta exp(ref - logp) (times w with the bias correction) as one exp, finite wherever that product is.
 """
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from .. import _C
+from ..options import LOSS_FAMILIES, SAMPLER_MODES, KernelScalars, LossOptions
 from ._triton import require_triton_device
+
+__all__ = ["LOSS_FAMILIES", "NUM_STATS", "SAMPLER_MODES", "STATS", "finish", "flat_input", "grpo_loss_fwd"]
 
 # Columns of the per-sequence stats. The kernel writes the first NUM_KERNEL_STATS; the launcher appends the
 # sequence's log importance weight (GSPO; 0 at token level).
@@ -41,8 +47,6 @@ STATS = ("loss", "count", "dl_dw", "clip_low", "clip_high", "clip_region", "rati
          "log_w")  # fmt: skip
 NUM_KERNEL_STATS = 9
 NUM_STATS = len(STATS)
-LOSS_FAMILIES = {"grpo": 0, "bnpo": 0, "dr_grpo": 0, "dapo": 0, "cispo": 1, "sapo": 2}
-SAMPLER_MODES = {"token_truncate": 0, "token_mask": 1, "sequence_truncate": 2, "sequence_mask": 3}
 BLOCK = 1024
 CHUNK = 4 * BLOCK
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
@@ -368,8 +372,15 @@ def grpo_loss_fwd_op(
 
 
 @grpo_loss_fwd_op.register_kernel("cpu")
-def _grpo_loss_fwd_cpu(*args):
-    return _C.grpo_loss_fwd(*args[:8], *args[9:])  # max_seqlen (args[8]) only sizes the Triton grid
+def _grpo_loss_fwd_cpu(
+    logps, old_logps, ref_logps, sampler_logps, advantages, adv_per_token, mask, cu_seqlens, max_seqlen, loss_family,
+    seq_level, sampler_mode, eps_low, eps_high, delta, beta, bias_kl, sampler_cap, tau_pos, tau_neg,
+):  # fmt: skip
+    del max_seqlen  # it only sizes the Triton grid
+    return _C.grpo_loss_fwd(
+        logps, old_logps, ref_logps, sampler_logps, advantages, adv_per_token, mask, cu_seqlens, loss_family,
+        seq_level, sampler_mode, eps_low, eps_high, delta, beta, bias_kl, sampler_cap, tau_pos, tau_neg,
+    )  # fmt: skip
 
 
 @grpo_loss_fwd_op.register_fake
@@ -404,11 +415,17 @@ def _grpo_loss_bwd_fake(a, b, coef, mask, cu_seqlens, max_seqlen, seq_level, out
 
 
 # ------------------------------------------------------------------------------------------------ autograd
+# The op's inputs by name, in schema order: the tensors and their layout, then the KernelScalars.
+_OpInputs = NamedTuple("_OpInputs", [(name, object) for name in (
+    "logps", "old_logps", "ref_logps", "sampler_logps", "advantages", "adv_per_token", "mask", "cu_seqlens",
+    "max_seqlen", *KernelScalars._fields)])  # fmt: skip
+
+
 def _setup_context(ctx, inputs, output):
-    logps, mask, cu_seqlens, max_seqlen, seq_level = inputs[0], inputs[6], inputs[7], inputs[8], inputs[10]
+    x = _OpInputs(*inputs)
     stats, coef = output
-    ctx.save_for_backward(stats, coef, mask, cu_seqlens)
-    ctx.max_seqlen, ctx.seq_level, ctx.dtype = max_seqlen, seq_level, logps.dtype
+    ctx.save_for_backward(stats, coef, x.mask, x.cu_seqlens)
+    ctx.max_seqlen, ctx.seq_level, ctx.dtype = x.max_seqlen, x.seq_level, x.logps.dtype
     ctx.mark_non_differentiable(coef)
     ctx.set_materialize_grads(False)
 
@@ -430,7 +447,7 @@ def _per_sequence_factors(ctx, grad_stats):
 def _backward(ctx, grad_stats, _grad_coef):
     a, b, coef, mask, cu_seqlens = _per_sequence_factors(ctx, grad_stats)
     grad = torch.ops.grpo_kernels.grpo_loss_bwd(a, b, coef, mask, cu_seqlens, ctx.max_seqlen, ctx.seq_level, ctx.dtype)
-    return (grad,) + (None,) * 19
+    return (grad,) + (None,) * (len(_OpInputs._fields) - 1)
 
 
 grpo_loss_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -440,7 +457,7 @@ class Direct(torch.autograd.Function):
     """The same kernels called without the dispatcher, for eager calls: `Direct.apply(backend, *op_inputs)` with
     backend "triton" (CUDA, or CPU tensors under TRITON_INTERPRET=1) or "cpp". A custom op's Python dispatch and
     autograd wrapper cost ~0.2 ms per forward + backward, more than the whole C++ kernel at 128k tokens; under
-    torch.compile the public function calls the registered op instead."""
+    torch.compile `grpo_loss_fwd` calls the registered op instead."""
 
     @staticmethod
     def forward(ctx, backend, *inputs):  # (not the setup_context style: its per-call signature binding costs more)
@@ -456,4 +473,64 @@ class Direct(torch.autograd.Function):
             grad = grpo_loss_bwd_triton(a, b, coef, mask, cu_seqlens, ctx.max_seqlen, ctx.seq_level, ctx.dtype)
         else:
             grad = _C.grpo_loss_bwd(a, b, coef, mask, cu_seqlens, ctx.seq_level).to(ctx.dtype)
-        return (None, grad) + (None,) * 19
+        return (None, grad) + (None,) * (len(_OpInputs._fields) - 1)
+
+
+# ------------------------------------------------------------------------------------------------ dispatch
+def flat_input(x: torch.Tensor | None) -> torch.Tensor | None:
+    """An optional input (old/ref/sampler log-probs, advantages, mask) as the op takes it: flat fp32 contiguous."""
+    return None if x is None else x.detach().reshape(-1).to(torch.float32).contiguous()
+
+
+def grpo_loss_fwd(backend, logps, old_logps, ref_logps, sampler_logps, advantages, adv_per_token, mask, cu_seqlens,
+                  max_seqlen, scalars: KernelScalars):  # fmt: skip
+    """The loss op on flat inputs (see grpo_loss_fwd_op) -> (stats [B, NUM_STATS], coef [T]), differentiable w.r.t.
+    logps: the registered op under torch.compile, else `Direct` on `backend` ("triton" or "cpp")."""
+    if torch.compiler.is_compiling():
+        return torch.ops.grpo_kernels.grpo_loss_fwd(
+            logps, old_logps, ref_logps, sampler_logps, advantages, adv_per_token, mask, cu_seqlens, max_seqlen,
+            **scalars._asdict(),
+        )  # fmt: skip
+    return Direct.apply(backend, logps, old_logps, ref_logps, sampler_logps, advantages, adv_per_token, mask,
+                        cu_seqlens, max_seqlen, *scalars)  # fmt: skip
+
+
+def finish(stats, advantages_per_seq, options: LossOptions, *, sampler: bool, cu_seqlens, num_items_in_batch):
+    """stats [B, NUM_STATS] -> (loss with TRL's normalizer, metrics dict of 0-d tensors). Few, small ops.
+
+    advantages_per_seq: the advantages [B] when given per sequence (None when per token); sampler: sampler_logps
+    were given. dr_grpo's constant without max_completion_length is the longest sequence, taken from cu_seqlens on
+    the device (L for padded input): never the caller's max_seqlen, which only bounds the lengths."""
+    loss_type = options.loss_type
+    b = stats.shape[0]
+    plain = stats.detach()
+    totals = plain.sum(0)
+    tokens = totals[1].clamp(min=1.0)
+    loss_sums = stats[:, 0]
+    if loss_type in ("grpo", "sapo"):
+        loss = (loss_sums / plain[:, 1].clamp(min=1.0)).sum() / b
+    elif loss_type == "bnpo":
+        loss = loss_sums.sum() / tokens
+    elif loss_type == "dr_grpo":
+        longest = options.max_completion_length or cu_seqlens.diff().max().to(totals)
+        loss = loss_sums.sum() / (b * longest)
+    elif num_items_in_batch is None:
+        loss = loss_sums.sum() / tokens
+    else:
+        loss = loss_sums.sum() / torch.as_tensor(num_items_in_batch).to(totals).clamp(min=1.0)
+    low, high, region, ratio, kl, sampler_diff = (totals[3:9] / tokens).unbind()
+    if options.seq_level:  # the ratio is one value per sequence (TRL: a [B, 1] tensor), so are the clip flags if A is
+        w = plain[:, STATS.index("log_w")].exp()
+        ratio = w.mean()
+        if advantages_per_seq is not None:
+            a = advantages_per_seq.detach().float()
+            eps_low, eps_high, delta = options.epsilon_low, options.epsilon_high, options.delta
+            if loss_type == "cispo":
+                low = ((w > eps_high) & (a > 0)).float().mean()
+            else:
+                w_m = w if delta is None or loss_type == "sapo" else w.clamp(max=delta)
+                flags = torch.stack([(w_m < 1 - eps_low) & (a < 0), (w_m > 1 + eps_high) & (a > 0)])
+                low, high, region = torch.cat([flags, flags.any(0, keepdim=True)]).float().mean(1).unbind()
+    values = [low, ratio] if loss_type == "cispo" else [low, high, region, ratio]
+    values += [kl] * (options.beta != 0.0) + [sampler_diff] * sampler
+    return loss, dict(zip(options.metric_names(sampler=sampler), values, strict=True))

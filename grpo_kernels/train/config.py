@@ -46,7 +46,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from ..loss import _options as _loss_options
+from ..options import LossOptions
 from ..planner import ALGORITHMS
 
 __all__ = [
@@ -262,12 +262,10 @@ class SamplingConfig:
         _check(self, "vllm_gpu_memory_utilization", 0 < self.vllm_gpu_memory_utilization < 1, "in (0, 1)")
 
 
-_GIVEN = object()  # stands for a tensor the trainer will pass (sampler_logps, ref_logps) when checking options
-
-
 @dataclass(kw_only=True, slots=True)
 class LossConfig:
-    """The options of `grpo_kernels.grpo_loss` that a run sets, with its defaults and its validation."""
+    """The options of `grpo_kernels.grpo_loss` that a run sets: the fields of `grpo_kernels.options.LossOptions`
+    (same names, defaults and meaning), as a TOML section; validated by LossOptions (messages start "loss.")."""
 
     section: ClassVar[str] = "loss"
 
@@ -300,12 +298,13 @@ class LossConfig:
     def __post_init__(self):
         _validate(self)
         try:
-            _loss_options(
-                **self.kwargs(), num_items_in_batch=None, ref_logps=_GIVEN if self.beta != 0 else None,
-                sampler_logps=_GIVEN if self.sampler_is_mode is not None else None,
-            )  # fmt: skip
-        except ValueError as exc:  # grpo_loss's message starts with the option's name
+            self.options()
+        except ValueError as exc:  # LossOptions' message starts with the option's name
             raise ValueError(f"loss.{exc}") from None
+
+    def options(self) -> LossOptions:
+        """These options as the loss's own (frozen, validated) type."""
+        return LossOptions(**self.kwargs())
 
     def kwargs(self) -> dict:
         """The keyword arguments of `grpo_kernels.grpo_loss` (and `fused_linear_grpo_loss`) for this config."""

@@ -1,0 +1,122 @@
+"""The options of the GRPO loss: one frozen type with their names, defaults, validation, the scalars the loss
+kernels take and the metric names the loss reports.
+
+`LossOptions` is what `grpo_loss`, `fused_linear_grpo_loss`, `LossConfig`, `FusedLinearGRPOLoss` and the TRL
+integration build and check; its `kernel_scalars()` are the named scalar arguments of the custom op
+`torch.ops.grpo_kernels.grpo_loss_fwd`. The per-call tensors that go with the options (ref_logps, sampler_logps,
+num_items_in_batch) are checked in `_checks.check_loss_inputs`. No Triton import here (the reference may use it).
+"""
+
+import math
+from dataclasses import dataclass, fields
+from typing import NamedTuple
+
+from ._checks import check_number
+
+__all__ = ["LOSS_TYPES", "SAMPLER_IS_MODES", "KernelScalars", "LossOptions"]
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+SAMPLER_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# The kernels' encodings: the loss family (0: the clipped objective, 1: cispo, 2: sapo) and the sampler mode.
+LOSS_FAMILIES = {"grpo": 0, "bnpo": 0, "dr_grpo": 0, "dapo": 0, "cispo": 1, "sapo": 2}
+SAMPLER_MODES = {mode: i for i, mode in enumerate(SAMPLER_IS_MODES)}
+
+
+class KernelScalars(NamedTuple):
+    """The scalar arguments of `grpo_kernels::grpo_loss_fwd`, by the op schema's names."""
+
+    loss_family: int
+    seq_level: bool
+    sampler_mode: int
+    eps_low: float
+    eps_high: float
+    delta: float
+    beta: float
+    bias_kl: bool
+    sampler_cap: float
+    tau_pos: float
+    tau_neg: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LossOptions:
+    """The loss's options (TRL/Liger names), validated at construction; each bad value raises a ValueError whose
+    message starts with the option's name."""
+
+    loss_type: str = "dapo"
+    """Aggregation/objective: "grpo", "bnpo", "dr_grpo", "dapo", "cispo" or "sapo"."""
+    epsilon_low: float = 0.2
+    """Lower clip: the ratio is clipped at 1 - epsilon_low; 0 <= epsilon_low < 1."""
+    epsilon_high: float = 0.2
+    """Upper clip at 1 + epsilon_high (DAPO's clip-higher uses 0.28); cispo's cap on the ratio."""
+    delta: float | None = None
+    """Two-sided clip: the ratio is also capped at delta (> 0) for negative advantages; None = off."""
+    beta: float = 0.0
+    """Weight of the k3 KL to the reference model (0 = no KL term, no ref_logps needed)."""
+    importance_sampling_level: str = "token"
+    """One importance ratio per "token", or per "sequence" (GSPO)."""
+    max_completion_length: int | None = None
+    """dr_grpo's normalizing constant; None = the longest completion of the micro-batch."""
+    sampler_is_mode: str | None = None
+    """Correction for the trainer/sampler mismatch: None, "token_truncate", "token_mask", "sequence_truncate" or
+    "sequence_mask" (sampler_logps are then given with each call)."""
+    sampler_is_cap: float = 3.0
+    """Where the sampler correction truncates or masks the ratio (> 0)."""
+    use_bias_correction_kl: bool = False
+    """Multiply the KL term by the importance ratio."""
+    sapo_temperature_pos: float = 1.0
+    """SAPO's gate temperature for positive advantages (> 0)."""
+    sapo_temperature_neg: float = 1.05
+    """SAPO's gate temperature for negative advantages (> 0)."""
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {', '.join(map(repr, LOSS_TYPES))}, got {self.loss_type!r}")
+        if self.importance_sampling_level not in ("token", "sequence"):
+            raise ValueError(
+                f"importance_sampling_level must be 'token' or 'sequence', got {self.importance_sampling_level!r}"
+            )
+        check_number("epsilon_low", self.epsilon_low, low=0.0, high=1.0)
+        check_number("epsilon_high", self.epsilon_high, low=0.0)
+        check_number("delta", self.delta, low=0.0, low_open=True, allow_none=True)
+        check_number("beta", self.beta, low=0.0)
+        check_number("sampler_is_cap", self.sampler_is_cap, low=0.0, low_open=True)
+        check_number("sapo_temperature_pos", self.sapo_temperature_pos, low=0.0, low_open=True)
+        check_number("sapo_temperature_neg", self.sapo_temperature_neg, low=0.0, low_open=True)
+        if not isinstance(self.use_bias_correction_kl, bool):
+            raise ValueError(f"use_bias_correction_kl must be a bool, got {self.use_bias_correction_kl!r}")
+        mcl = self.max_completion_length
+        if mcl is not None and (isinstance(mcl, bool) or not isinstance(mcl, int) or mcl < 1):
+            raise ValueError(f"max_completion_length must be a positive int, got {mcl!r}")
+        if self.sampler_is_mode is not None and self.sampler_is_mode not in SAMPLER_IS_MODES:
+            raise ValueError(
+                f"sampler_is_mode must be one of {', '.join(map(repr, SAMPLER_IS_MODES))}, got {self.sampler_is_mode!r}"
+            )
+
+    @property
+    def seq_level(self) -> bool:
+        """One importance ratio per sequence (GSPO)."""
+        return self.importance_sampling_level == "sequence"
+
+    def kwargs(self) -> dict:
+        """{option name: value}, the keyword arguments of grpo_loss (and of the reference) for these options."""
+        return {name: getattr(self, name) for name in OPTION_NAMES}
+
+    def kernel_scalars(self) -> KernelScalars:
+        """The scalar arguments of the loss op (delta None -> +inf; sampler_mode 0 when no correction)."""
+        return KernelScalars(
+            loss_family=LOSS_FAMILIES[self.loss_type], seq_level=self.seq_level,
+            sampler_mode=SAMPLER_MODES.get(self.sampler_is_mode, 0), eps_low=float(self.epsilon_low),
+            eps_high=float(self.epsilon_high), delta=math.inf if self.delta is None else float(self.delta),
+            beta=float(self.beta), bias_kl=self.use_bias_correction_kl, sampler_cap=float(self.sampler_is_cap),
+            tau_pos=float(self.sapo_temperature_pos), tau_neg=float(self.sapo_temperature_neg),
+        )  # fmt: skip
+
+    def metric_names(self, *, sampler: bool, entropy: bool = False) -> tuple[str, ...]:
+        """The metrics the loss reports, in order, named as TRL logs them (sampler: sampler_logps are given)."""
+        names = ("cispo_clip_ratio", "ratio_mean") if self.loss_type == "cispo" else (
+            "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio_mean")  # fmt: skip
+        return names + ("kl",) * (self.beta != 0.0) + ("sampler_logp_abs_diff",) * sampler + ("entropy",) * entropy
+
+
+OPTION_NAMES = tuple(f.name for f in fields(LossOptions))

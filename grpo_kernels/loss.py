@@ -8,7 +8,7 @@ from . import reference
 from ._checks import check_impl, check_like, check_loss_inputs, check_loss_layout
 from .logprobs import selective_logprobs
 from .ops import loss as _ops
-from .options import LOSS_TYPES, SAMPLER_IS_MODES, LossOptions
+from .options import LOSS_TYPES, SAMPLER_IS_MODES, loss_options
 
 __all__ = ["GRPOLoss", "LOSS_TYPES", "SAMPLER_IS_MODES", "grpo_loss", "grpo_loss_from_logits"]
 
@@ -91,7 +91,7 @@ def grpo_loss(
         "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean" (or "cispo_clip_ratio"),
         "ratio_mean", "kl" (beta > 0), "sampler_logp_abs_diff" (mean |logp - sampler_logp|, with sampler_logps).
     """
-    options = LossOptions(
+    options = loss_options(
         loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta,
         importance_sampling_level=importance_sampling_level, max_completion_length=max_completion_length,
         sampler_is_mode=sampler_is_mode, sampler_is_cap=sampler_is_cap, use_bias_correction_kl=use_bias_correction_kl,

@@ -7,13 +7,14 @@ integration build and check; its `kernel_scalars()` are the named scalar argumen
 num_items_in_batch) are checked in `_checks.check_loss_inputs`. No Triton import here (the reference may use it).
 """
 
+import functools
 import math
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 from ._checks import check_number
 
-__all__ = ["LOSS_TYPES", "SAMPLER_IS_MODES", "KernelScalars", "LossOptions"]
+__all__ = ["LOSS_TYPES", "SAMPLER_IS_MODES", "KernelScalars", "LossOptions", "loss_options"]
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 SAMPLER_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -104,6 +105,9 @@ class LossOptions:
 
     def kernel_scalars(self) -> KernelScalars:
         """The scalar arguments of the loss op (delta None -> +inf; sampler_mode 0 when no correction)."""
+        return _kernel_scalars(self)
+
+    def _kernel_scalars(self) -> KernelScalars:
         return KernelScalars(
             loss_family=LOSS_FAMILIES[self.loss_type], seq_level=self.seq_level,
             sampler_mode=SAMPLER_MODES.get(self.sampler_is_mode, 0), eps_low=float(self.epsilon_low),
@@ -120,3 +124,26 @@ class LossOptions:
 
 
 OPTION_NAMES = tuple(f.name for f in fields(LossOptions))
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel_scalars(options: LossOptions) -> KernelScalars:
+    return options._kernel_scalars()
+
+
+@functools.lru_cache(maxsize=64, typed=True)  # typed: 1 and True (or 1.0) are different options
+def _cached_options(*values) -> LossOptions:
+    return LossOptions(**dict(zip(OPTION_NAMES, values, strict=True)))
+
+
+def loss_options(**options) -> LossOptions:
+    """LossOptions(**options), cached: a training loop passes the same options at every call, and building and
+    validating them costs more Python time (~10 us) than the rest of a small loss call's checks."""
+    defaults = LossOptions.__dataclass_fields__
+    if not options.keys() <= defaults.keys():
+        return LossOptions(**options)  # raises TypeError naming the unknown option
+    values = tuple(options[name] if name in options else defaults[name].default for name in OPTION_NAMES)
+    try:
+        return _cached_options(*values)
+    except TypeError:  # an unhashable value: build it uncached (its check raises the usual ValueError)
+        return LossOptions(**options)

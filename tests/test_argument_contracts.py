@@ -170,3 +170,21 @@ def test_loss_options_are_frozen_checked_and_name_the_op_scalars():
     scalars = options.kernel_scalars()
     assert schema[-len(scalars) :] == list(scalars._fields)
     assert options.metric_names(sampler=True) == ("cispo_clip_ratio", "ratio_mean", "kl", "sampler_logp_abs_diff")
+
+
+def test_cached_loss_options_still_check_every_value():
+    """grpo_loss caches its LossOptions: a cached valid value must not let an equal-but-wrong one through."""
+    from grpo_kernels.options import LossOptions, loss_options
+
+    assert loss_options(use_bias_correction_kl=True) is loss_options(use_bias_correction_kl=True)
+    assert loss_options(beta=0.04) == LossOptions(beta=0.04)
+    with pytest.raises(ValueError, match="use_bias_correction_kl must be a bool"):
+        loss_options(use_bias_correction_kl=1)
+    with pytest.raises(ValueError, match="epsilon_low"):
+        loss_options(epsilon_low=[0.2])  # unhashable: built uncached, still checked
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        loss_options(epsilonlow=0.2)
+    logps, old, adv, cu = packed_batch()
+    gk.grpo_loss(logps, old, adv, cu_seqlens=cu, use_bias_correction_kl=True, beta=0.04, ref_logps=old)
+    with pytest.raises(ValueError, match="use_bias_correction_kl"):
+        gk.grpo_loss(logps, old, adv, cu_seqlens=cu, use_bias_correction_kl=1, beta=0.04, ref_logps=old)

@@ -1,6 +1,7 @@
 """Argument checks shared by the public functions (each raises ValueError naming the argument)."""
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -207,3 +208,72 @@ def check_linear_head(hidden, weight, bias, ids, temperature, impl) -> None:
         raise ValueError("bias must have the dtype and device of hidden")
     check_ids(ids, hidden.shape[:-1], hidden.device, weight.shape[0], "hidden without H")
     check_temperature(temperature)
+
+
+# ----------------------------------------------------------------------------------------- group_advantages
+def check_choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
+def check_nonnegative(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def check_group_offsets(group_offsets: torch.Tensor, n: int, device: torch.device, *, values: bool = True) -> None:
+    if not isinstance(group_offsets, torch.Tensor) or group_offsets.dtype not in (torch.int32, torch.int64):
+        raise ValueError("group_offsets must be an int32 or int64 tensor")
+    if group_offsets.dim() != 1 or group_offsets.shape[0] < 2:
+        shape = tuple(group_offsets.shape)
+        raise ValueError(f"group_offsets must be 1-D with num_groups + 1 >= 2 entries, got {shape}")
+    if group_offsets.device != device:
+        raise ValueError(f"group_offsets is on {group_offsets.device} but rewards are on {device}")
+    if not values or torch.compiler.is_compiling():
+        return
+    offsets = group_offsets.cpu()
+    if offsets[0] != 0 or offsets[-1] != n:
+        raise ValueError(f"group_offsets must start at 0 and end at N={n}, got {offsets[0]} ... {offsets[-1]}")
+    steps = offsets.diff()
+    if bool((steps <= 0).any()):
+        g = int((steps <= 0).nonzero()[0])
+        raise ValueError(f"group_offsets must be strictly increasing: group {g} is [{offsets[g]}, {offsets[g + 1]})")
+
+
+def check_reward_weights(reward_weights, k: int, one_dim: bool, device) -> torch.Tensor:
+    if reward_weights is None:
+        return torch.ones(k, dtype=torch.float32, device=device)
+    if isinstance(reward_weights, torch.Tensor):
+        w = reward_weights.to(device=device, dtype=torch.float32)
+    elif isinstance(reward_weights, Sequence) and not isinstance(reward_weights, (str, bytes)):
+        w = torch.tensor([float(x) for x in reward_weights], dtype=torch.float32, device=device)
+    else:
+        raise ValueError(f"reward_weights must be a tensor or a sequence of numbers, got {type(reward_weights)}")
+    if w.shape != (k,):
+        what = "1-D rewards take no reward_weights (or exactly one)" if one_dim else f"rewards have K={k} columns"
+        raise ValueError(f"reward_weights must have shape ({k},), got {tuple(w.shape)}: {what}")
+    if not torch.compiler.is_compiling() and not bool(torch.isfinite(w).all()):
+        raise ValueError("reward_weights hold a non-finite value")
+    return w.contiguous()
+
+
+# --------------------------------------------------------------------------------------- selective_logprobs
+_LOGIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_logprobs_args(logits, ids, temperature, cu_seqlens, impl, flags):
+    if not isinstance(logits, torch.Tensor) or logits.dtype not in _LOGIT_DTYPES:
+        got = logits.dtype if isinstance(logits, torch.Tensor) else type(logits)
+        raise ValueError(f"logits must be a float16/bfloat16/float32 tensor, got {got}")
+    if logits.dim() not in (2, 3) or logits.shape[-1] == 0:
+        raise ValueError(f"logits must be [B, L, V] or packed [T, V] with V >= 1, got {tuple(logits.shape)}")
+    check_ids(ids, logits.shape[:-1], logits.device, logits.shape[-1], "logits without V")
+    check_temperature(temperature)
+    for name, value in flags.items():
+        check_flag(name, value)
+    check_impl(impl, logits.device, "logits")
+    if cu_seqlens is not None:
+        if logits.dim() != 2:
+            raise ValueError("cu_seqlens goes with packed logits [T, V]")
+        check_cu_seqlens(cu_seqlens, logits.shape[0], logits.device)

@@ -1,65 +1,17 @@
 """Public API: group-relative advantages with invalid-group masking."""
 
-import math
 from collections.abc import Sequence
 
 import torch
 
 from . import reference
-from ._checks import check_impl
+from ._checks import check_choice, check_group_offsets, check_impl, check_nonnegative, check_reward_weights
 from .ops import advantages as _ops
 from .types import GroupAdvantages
 
 __all__ = ["group_advantages", "GroupAdvantages"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _choice(name: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
-
-
-def _nonnegative(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    return float(value)
-
-
-def _check_offsets(group_offsets: torch.Tensor, n: int, device: torch.device, *, values: bool = True) -> None:
-    if not isinstance(group_offsets, torch.Tensor) or group_offsets.dtype not in (torch.int32, torch.int64):
-        raise ValueError("group_offsets must be an int32 or int64 tensor")
-    if group_offsets.dim() != 1 or group_offsets.shape[0] < 2:
-        shape = tuple(group_offsets.shape)
-        raise ValueError(f"group_offsets must be 1-D with num_groups + 1 >= 2 entries, got {shape}")
-    if group_offsets.device != device:
-        raise ValueError(f"group_offsets is on {group_offsets.device} but rewards are on {device}")
-    if not values or torch.compiler.is_compiling():
-        return
-    offsets = group_offsets.cpu()
-    if offsets[0] != 0 or offsets[-1] != n:
-        raise ValueError(f"group_offsets must start at 0 and end at N={n}, got {offsets[0]} ... {offsets[-1]}")
-    steps = offsets.diff()
-    if bool((steps <= 0).any()):
-        g = int((steps <= 0).nonzero()[0])
-        raise ValueError(f"group_offsets must be strictly increasing: group {g} is [{offsets[g]}, {offsets[g + 1]})")
-
-
-def _weights(reward_weights, k: int, one_dim: bool, device) -> torch.Tensor:
-    if reward_weights is None:
-        return torch.ones(k, dtype=torch.float32, device=device)
-    if isinstance(reward_weights, torch.Tensor):
-        w = reward_weights.to(device=device, dtype=torch.float32)
-    elif isinstance(reward_weights, Sequence) and not isinstance(reward_weights, (str, bytes)):
-        w = torch.tensor([float(x) for x in reward_weights], dtype=torch.float32, device=device)
-    else:
-        raise ValueError(f"reward_weights must be a tensor or a sequence of numbers, got {type(reward_weights)}")
-    if w.shape != (k,):
-        what = "1-D rewards take no reward_weights (or exactly one)" if one_dim else f"rewards have K={k} columns"
-        raise ValueError(f"reward_weights must have shape ({k},), got {tuple(w.shape)}: {what}")
-    if not torch.compiler.is_compiling() and not bool(torch.isfinite(w).all()):
-        raise ValueError("reward_weights hold a non-finite value")
-    return w.contiguous()
 
 
 def group_advantages(
@@ -106,10 +58,10 @@ def group_advantages(
         raise ValueError(f"rewards must be a floating tensor (float16/bfloat16/float32/float64), got {rewards.dtype}")
     if rewards.dim() not in (1, 2) or rewards.shape[0] == 0 or (rewards.dim() == 2 and rewards.shape[1] == 0):
         raise ValueError(f"rewards must be [N] or [N, K] with N, K >= 1, got shape {tuple(rewards.shape)}")
-    _choice("scale", scale, ("group", "batch", "none"))
-    _choice("std", std, ("unbiased", "biased"))
-    _choice("nan", nan, ("error", "invalid"))
-    eps, min_std = _nonnegative("eps", eps), _nonnegative("min_std", min_std)
+    check_choice("scale", scale, ("group", "batch", "none"))
+    check_choice("std", std, ("unbiased", "biased"))
+    check_choice("nan", nan, ("error", "invalid"))
+    eps, min_std = check_nonnegative("eps", eps), check_nonnegative("min_std", min_std)
     check_impl(impl, rewards.device, "rewards")
     n = rewards.shape[0]
     if (group_size is None) == (group_offsets is None):
@@ -123,14 +75,14 @@ def group_advantages(
         # The C++ kernel checks the offsets' values in its own loop (no extra pass); the detailed error comes
         # from the Python check, run only when the kernel refuses them.
         kernel_checks = impl in ("auto", "cpp") and rewards.device.type == "cpu"
-        _check_offsets(group_offsets, n, rewards.device, values=not kernel_checks)
+        check_group_offsets(group_offsets, n, rewards.device, values=not kernel_checks)
     rewards_2d = rewards if rewards.dim() == 2 else rewards.unsqueeze(1)
-    weights = _weights(reward_weights, rewards_2d.shape[1], rewards.dim() == 1, rewards.device)
+    weights = check_reward_weights(reward_weights, rewards_2d.shape[1], rewards.dim() == 1, rewards.device)
     try:
         out = _dispatch(impl, rewards, rewards_2d, weights, group_size, group_offsets, scale, eps, std, min_std)
     except RuntimeError as exc:
         if group_offsets is not None and "group_offsets" in str(exc):
-            _check_offsets(group_offsets, n, rewards.device)  # raises the ValueError that names the group
+            check_group_offsets(group_offsets, n, rewards.device)  # raises the ValueError that names the group
         raise
     if nan == "error" and not torch.compiler.is_compiling():
         _raise_on_non_finite(rewards, out.group_mean, group_size, group_offsets)
@@ -147,10 +99,8 @@ def _dispatch(impl, rewards, rewards_2d, weights, group_size, group_offsets, sca
         )  # fmt: skip
         return GroupAdvantages(*(t if t.dtype == torch.bool else t.float() for t in out))
     offsets = None if group_offsets is None else group_offsets.contiguous()
-    args = (rewards_2d, weights, offsets, group_size or 0, scale, eps, std == "unbiased", min_std)
-    if impl == "triton" and rewards.device.type == "cpu":
-        return GroupAdvantages(*_ops.TritonDirect.apply(*args))
-    return GroupAdvantages(*torch.ops.grpo_kernels.group_advantages(*args))
+    return GroupAdvantages(*_ops.group_advantages(rewards_2d, weights, offsets, group_size or 0, scale, eps,
+                                                  std == "unbiased", min_std, impl))  # fmt: skip
 
 
 def _raise_on_non_finite(rewards, group_mean, group_size, group_offsets) -> None:

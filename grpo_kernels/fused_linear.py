@@ -19,7 +19,7 @@ from functools import partial
 
 import torch
 
-from . import _C, reference
+from . import reference
 from ._checks import (
     check_chunk_tokens,
     check_flag,
@@ -51,18 +51,12 @@ class _Rows:
 
     def __init__(self, backend: str, temperature: float, entropy: bool):
         self.backend, self.t, self.entropy = backend, float(temperature), entropy
-        self.triton = backend == "triton"
 
     def logprobs(self, logits, ids):  # -> (logps, entropy, lse), fp32 [C]
-        if self.triton:
-            return _lp_ops.logprobs_fwd_triton(logits, ids, self.t, self.entropy)
-        return _C.selective_logprobs(logits, ids, self.t, self.entropy)
+        return _lp_ops.row_logprobs(self.backend, logits, ids, self.t, self.entropy)
 
     def dlogits_(self, g, logits, ids, lse):  # overwrite logits with d sum(g logps) / d logits
-        if self.triton:
-            _lp_ops.logprobs_bwd_triton(g, None, logits, ids, lse, None, self.t, True)
-        else:
-            _C.selective_logprobs_backward(g, None, logits, ids, lse, None, self.t, True)
+        _lp_ops.row_dlogits_(self.backend, g, logits, ids, lse, self.t)
 
 
 class _Chunks:

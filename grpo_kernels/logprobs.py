@@ -3,30 +3,10 @@
 import torch
 
 from . import reference
-from ._checks import check_cu_seqlens, check_flag, check_ids, check_impl, check_temperature
+from ._checks import check_logprobs_args
 from .ops import logprobs as _ops
 
 __all__ = ["selective_logprobs"]
-
-_LOGIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _check(logits, ids, temperature, cu_seqlens, impl, flags):
-    if not isinstance(logits, torch.Tensor) or logits.dtype not in _LOGIT_DTYPES:
-        got = logits.dtype if isinstance(logits, torch.Tensor) else type(logits)
-        raise ValueError(f"logits must be a float16/bfloat16/float32 tensor, got {got}")
-    if logits.dim() not in (2, 3) or logits.shape[-1] == 0:
-        raise ValueError(f"logits must be [B, L, V] or packed [T, V] with V >= 1, got {tuple(logits.shape)}")
-    check_ids(ids, logits.shape[:-1], logits.device, logits.shape[-1], "logits without V")
-    check_temperature(temperature)
-    for name, value in flags.items():
-        check_flag(name, value)
-    check_impl(impl, logits.device, "logits")
-    if cu_seqlens is not None:
-        if logits.dim() != 2:
-            raise ValueError("cu_seqlens goes with packed logits [T, V]")
-        check_cu_seqlens(cu_seqlens, logits.shape[0], logits.device)
-
 
 def selective_logprobs(
     logits: torch.Tensor,
@@ -57,7 +37,7 @@ def selective_logprobs(
         one pass, from the per-token log-sum-exp saved by the forward (no [T, V] buffer is kept).
     """
     flags = dict(return_entropy=return_entropy, inplace_backward=inplace_backward)
-    _check(logits, ids, temperature, cu_seqlens, impl, flags)
+    check_logprobs_args(logits, ids, temperature, cu_seqlens, impl, flags)
     shape = ids.shape
     flat = logits.reshape(-1, logits.shape[-1])
     shared_rows = flat.shape[0] > 1 and flat.stride(0) < flat.shape[1]  # e.g. an expand(): rows overlap
@@ -72,11 +52,8 @@ def selective_logprobs(
     if impl == "reference":
         out = reference.selective_logprobs(flat.float(), flat_ids, temperature=temperature, return_entropy=True)
         logps, entropy = out
-    elif impl == "triton" and flat.device.type == "cpu":
-        logps, entropy, _ = _ops.TritonDirect.apply(flat, flat_ids, temperature, return_entropy, inplace_backward)
     else:
-        args = (flat, flat_ids, temperature, return_entropy, inplace_backward)
-        logps, entropy, _ = torch.ops.grpo_kernels.selective_logprobs(*args)
+        logps, entropy, _ = _ops.selective_logprobs(flat, flat_ids, temperature, return_entropy, inplace_backward, impl)
     if return_entropy:
         return logps.reshape(shape), entropy.reshape(shape)
     return logps.reshape(shape)

@@ -301,3 +301,13 @@ class TritonDirect(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         return _backward(ctx, *grads)
+
+
+# ------------------------------------------------------------------------------------------- the one entry
+def group_advantages(rewards, weights, group_offsets, group_size, scale, eps, unbiased, min_std, impl):
+    """What the public function runs on checked inputs: the registered op (Triton on CUDA, C++ on CPU, and what
+    torch.compile traces), or the Triton launcher directly for impl="triton" on CPU tensors (the interpreter)."""
+    args = (rewards, weights, group_offsets, group_size, scale, eps, unbiased, min_std)
+    if impl == "triton" and rewards.device.type == "cpu":
+        return TritonDirect.apply(*args)
+    return torch.ops.grpo_kernels.group_advantages(*args)

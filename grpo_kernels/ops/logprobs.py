@@ -251,3 +251,30 @@ class TritonDirect(torch.autograd.Function):
         logits, ids, lse, entropy, g_logps, g_entropy = _grads(ctx, g_logps, g_entropy)
         dlogits = logprobs_bwd_triton(g_logps, g_entropy, logits, ids, lse, entropy, ctx.temperature, ctx.inplace)
         return dlogits, None, None, None, None
+
+
+# ------------------------------------------------------------------------------------------- the one entry
+def selective_logprobs(logits, ids, temperature: float, return_entropy: bool, inplace_backward: bool, impl: str):
+    """What the public function runs on flat, checked inputs: (logps, entropy, lse), differentiable w.r.t. logits.
+
+    The registered op (its Triton kernel on CUDA, C++ on CPU, and what torch.compile traces), or the Triton
+    launchers directly for impl="triton" on CPU tensors (the interpreter)."""
+    if impl == "triton" and logits.device.type == "cpu":
+        return TritonDirect.apply(logits, ids, temperature, return_entropy, inplace_backward)
+    return torch.ops.grpo_kernels.selective_logprobs(logits, ids, temperature, return_entropy, inplace_backward)
+
+
+def row_logprobs(backend: str, logits, ids, temperature: float, return_entropy: bool):
+    """The forward row kernel of one backend ("triton" or "cpp") without autograd, for the fused LM head:
+    (logps, entropy, lse) fp32 [T]."""
+    if backend == "triton":
+        return logprobs_fwd_triton(logits, ids, temperature, return_entropy)
+    return _C.selective_logprobs(logits, ids, temperature, return_entropy)
+
+
+def row_dlogits_(backend: str, grad_logps, logits, ids, lse, temperature: float) -> None:
+    """Overwrite logits with d sum(grad_logps logps) / d logits (the fused LM head's in-place backward)."""
+    if backend == "triton":
+        logprobs_bwd_triton(grad_logps, None, logits, ids, lse, None, temperature, True)
+    else:
+        _C.selective_logprobs_backward(grad_logps, None, logits, ids, lse, None, temperature, True)

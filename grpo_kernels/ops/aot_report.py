@@ -139,24 +139,10 @@ def _logprobs_variants() -> list[KernelVariant]:
         }  # fmt: skip
         label = f"{dtype},{'entropy' if entropy else 'no entropy'},V{block}"
         warps = logprobs._num_warps(block)
-        variants.append(
-            KernelVariant(
-                kernel=logprobs._logprobs_fwd_kernel,
-                label=label,
-                signature=fwd,
-                constexprs={"RETURN_ENTROPY": entropy, "BLOCK_V": block},
-                num_warps=warps,
-            )
-        )
-        variants.append(
-            KernelVariant(
-                kernel=logprobs._logprobs_bwd_kernel,
-                label=label,
-                signature=bwd,
-                constexprs={"HAS_GRAD_ENTROPY": entropy, "BLOCK_V": block},
-                num_warps=warps,
-            )
-        )
+        for kernel, signature, flag in ((logprobs._logprobs_fwd_kernel, fwd, "RETURN_ENTROPY"),
+                                        (logprobs._logprobs_bwd_kernel, bwd, "HAS_GRAD_ENTROPY")):  # fmt: skip
+            variants.append(KernelVariant(kernel=kernel, label=label, signature=signature,
+                                          constexprs={flag: entropy, "BLOCK_V": block}, num_warps=warps))  # fmt: skip
     return variants
 
 

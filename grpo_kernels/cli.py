@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         demo(args)
     elif args.command == "train":
         from .train.config import load_config
+        from .train.rollout_server import RolloutServerError
         from .train.trainer import train
 
         try:
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 config = load_config(args.config, overrides)
             train(config)
-        except (ValueError, NotImplementedError) as exc:  # one clear line, non-zero exit
+        except (ValueError, NotImplementedError, RolloutServerError) as exc:  # one clear line, non-zero exit
             raise SystemExit(f"grpo-kernels train: error: {exc}") from None
     elif args.command == "prepare-model":
         from .train.models import prepare_model

@@ -248,18 +248,67 @@ class SamplingConfig:
     memory (or time) in the first rollout. Raise it for runs that really sample more."""
     vllm_gpu_memory_utilization: float = 0.3
     """Share of the GPU's memory the vLLM sampler takes on each rank (weights + KV cache), in (0, 1); on CPU the
-    KV cache is VLLM_CPU_KVCACHE_SPACE GiB instead (1 unless set)."""
+    KV cache is VLLM_CPU_KVCACHE_SPACE GiB instead (1 unless set). Decoupled: each server's share of its GPUs."""
+    placement: str = "colocated"
+    """"colocated": the trainer's ranks sample (HF or an in-process vLLM engine). "decoupled": vLLM servers (sampler
+    "vllm") on their own devices sample, and receive the weights after every optimizer step."""
+    max_staleness: int = 0
+    """Decoupled: how many steps the servers may sample ahead of the trainer (0 = synchronous). With k >= 1 the
+    batch of step t + k is sampled while step t trains, and the loss corrects with the sampler's log-probs
+    (loss.sampler_is_mode, "token_truncate" unless set)."""
+    servers: int = 1
+    """Decoupled: how many servers the trainer starts (data parallel; group k goes to server k % servers)."""
+    server_urls: str = ""
+    """Decoupled: comma-separated URLs of servers already running (`grpo-kernels serve-rollout`), instead of
+    starting `servers` of them."""
+    server_tensor_parallel_size: int = 1
+    """Decoupled: devices per server the trainer starts (vLLM tensor parallelism)."""
+    server_devices: str = ""
+    """Decoupled, GPUs: the devices of each started server, ";" between servers (like "2,3;4,5"); default: the
+    devices after the trainer's ranks on this node."""
+    server_timeout_s: float = 60.0
+    """Decoupled: a server that stops answering (/health, a weight transfer) for this long ends the run."""
+    server_start_timeout_s: float = 900.0
+    """Decoupled: how long a started server may take to answer /health."""
+    weight_transfer: str = "auto"
+    """Decoupled: how the weights travel, "nccl" (GPUs), "gloo" (CPUs) or "auto" (nccl with CUDA, else gloo)."""
+    weight_transfer_address: str = ""
+    """Decoupled: the address of trainer rank 0 that servers connect to for the transfer; default 127.0.0.1 when
+    every server is local, else this host's name."""
+    weight_sync_bucket_mb: int = 256
+    """Decoupled: the weights are gathered (FSDP) and sent in buckets of at most this many MiB."""
+    verify_weight_sync: bool = True
+    """Decoupled: after each sync, compare a fixed sequence's log-probs on every server with the trainer's (the
+    metric weight_sync_logp_max_diff)."""
 
     def __post_init__(self):
         _validate(
             self,
             at_least={"group_size": 2, "prompts_per_step": 1, "max_new_tokens": 1, "hf_max_batch_rows": 1,
-                      "max_step_tokens": 1},
-            choices={"sampler": ("hf", "vllm")},
-        )
+                      "max_step_tokens": 1, "max_staleness": 0, "servers": 1, "server_tensor_parallel_size": 1,
+                      "weight_sync_bucket_mb": 1},
+            choices={"sampler": ("hf", "vllm"), "placement": ("colocated", "decoupled"),
+                     "weight_transfer": ("auto", "gloo", "nccl")},
+        )  # fmt: skip
         _check(self, "temperature", self.temperature > 0, "> 0")
         _check(self, "top_p", 0 < self.top_p <= 1, "in (0, 1]")
         _check(self, "vllm_gpu_memory_utilization", 0 < self.vllm_gpu_memory_utilization < 1, "in (0, 1)")
+        _check(self, "server_timeout_s", self.server_timeout_s > 0, "> 0")
+        _check(self, "server_start_timeout_s", self.server_start_timeout_s > 0, "> 0")
+        decoupled = self.placement == "decoupled"
+        if decoupled and self.sampler != "vllm":
+            raise ValueError('sampling.placement "decoupled" needs sampling.sampler "vllm" (the servers are vLLM), '
+                             f'got "{self.sampler}"')  # fmt: skip
+        if not decoupled:
+            for name in ("max_staleness", "server_urls", "server_devices"):
+                if getattr(self, name) != SamplingConfig.__dataclass_fields__[name].default:
+                    raise ValueError(f'sampling.{name} needs sampling.placement "decoupled" (it is "colocated")')
+        if self.server_urls and self.server_devices:
+            raise ValueError("sampling.server_devices is for servers the trainer starts; with sampling.server_urls "
+                             "the servers are already running")  # fmt: skip
+        if self.server_devices and len(self.server_devices.split(";")) != self.servers:
+            raise ValueError(f"sampling.server_devices must list the devices of each of the {self.servers} servers "
+                             f'(";" between servers), got {self.server_devices!r}')  # fmt: skip
 
 
 @dataclass(kw_only=True, slots=True)

@@ -93,6 +93,15 @@ def all_gather_objects(obj, d: Dist) -> list:
     return out
 
 
+def all_reduce_max(values: torch.Tensor, d: Dist) -> torch.Tensor:
+    """Element-wise max over ranks (the tensor itself in a single process)."""
+    if not d.distributed:
+        return values
+    values = values.clone()
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values
+
+
 def all_reduce_sum(values: torch.Tensor, d: Dist) -> torch.Tensor:
     """Element-wise sum over ranks of a tensor on d.device, returned on the device (no host sync); the tensor itself
     in a single process."""

@@ -17,7 +17,7 @@ import torch
 from ..fused_linear import fused_linear_grpo_loss, fused_linear_logprobs
 from ..packing import pack_sequences
 from ..planner import plan_micro_batches
-from .fsdp import SINGLE, Dist, all_reduce_sum
+from .fsdp import SINGLE, Dist, all_reduce_max, all_reduce_sum
 from .rollout import Rollout
 
 __all__ = ["Policy", "completion_logprobs", "grpo_step", "sft_warmup"]
@@ -139,20 +139,32 @@ def grpo_step(policy, optimizer, rollout: Rollout, *, loss_options: dict, temper
             optimizer.step()
             local["loss" if iteration == 0 else f"loss_iter{iteration}"] = step_loss
     device = local["loss"].device
+    extremes = None
     if old is not None:
         diff = torch.zeros((), dtype=torch.float64, device=device)  # stays 0 when this rank trained on nothing
+        ratio_sum = torch.zeros((), dtype=torch.float64, device=device)
+        extremes = torch.full((2,), -float("inf"), dtype=torch.float64, device=device)  # max ratio, -min ratio
         for (samples, _, s), o in zip(micro, old, strict=True):
             if samples:
                 diff = diff + (o - s).abs().sum().double()
+                ratio = torch.exp((o.double() - s.to(o.device).double()).clamp(max=80.0))
+                ratio_sum = ratio_sum + ratio.sum()
+                if ratio.numel():
+                    extremes = torch.maximum(extremes, torch.stack([ratio.max(), -ratio.min()]))
         local["sampler_logp_abs_diff"] = diff / total_tokens
+        local["is_ratio_mean"] = ratio_sum / total_tokens  # the trainer's over the sampler's probability per token
+        extremes = all_reduce_max(extremes, dist)
     keys = sorted(local)
     tokens = torch.tensor(float(sum(lengths[i] for s, _, _ in micro for i in s)), dtype=torch.float64)
     summed = all_reduce_sum(torch.stack([local[k] for k in keys] + [tokens.to(device)]), dist)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     same = [norm, rollout.rewards.float().flatten().mean(), adv.invalid_fraction]  # identical on every rank
-    host = torch.cat([summed, torch.stack([t.detach().double().to(device) for t in same])]).tolist()  # the one sync
+    tail = [] if extremes is None else [extremes]
+    host = torch.cat([summed, torch.stack([t.detach().double().to(device) for t in same]), *tail]).tolist()  # 1 sync
     metrics = dict(zip(keys, host[: len(keys)], strict=True))
-    tokens, grad_norm, reward, invalid_rate = host[len(keys) :]
+    tokens, grad_norm, reward, invalid_rate = host[len(keys) : len(keys) + 4]
+    if extremes is not None:
+        metrics.update(is_ratio_max=host[-2], is_ratio_min=-host[-1])
     elapsed = time.perf_counter() - start
     metrics.update(
         reward=reward, invalid_group_rate=invalid_rate, grad_norm=grad_norm, completion_tokens=total_tokens,

@@ -40,6 +40,7 @@ from .checkpoint import (
     verify_checkpoint,
 )
 from .config import TrainConfig, save_config, to_dict
+from .decoupled import Decoupled
 from .fsdp import SINGLE, Dist, all_gather_objects, full_state_dict, init_distributed, shard
 from .group_size import AdaptiveGroupSize
 from .rollout import Rollout
@@ -248,10 +249,23 @@ def train(config: TrainConfig, *, log=print) -> dict:
     if config.task.sft_warmup_steps and checkpoint is None:
         losses = sft_warmup(model, tok, task, steps=config.task.sft_warmup_steps, seed=config.seed)
         log(f"SFT warm start: {config.task.sft_warmup_steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
-    bf16 = config.model.dtype == "bfloat16"
     model.to(d.device)
-    s = config.sampling
-    sampler = _sampler(config, model, tok, d)
+    rollouts = None
+    if config.sampling.placement == "decoupled":  # rollout servers, started by rank 0; the sampler is rank 0's
+        rollouts = Decoupled.start(config, model, tok, d, run_dir, log)
+        sampler = rollouts.sampler
+    else:
+        sampler = _sampler(config, model, tok, d)
+    try:
+        return _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model, sampler, rollouts, log)
+    finally:
+        if rollouts is not None:
+            rollouts.close()
+
+
+def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model, sampler, rollouts, log) -> dict:
+    bf16, s = config.model.dtype == "bfloat16", config.sampling
+    decoupled, pipeline = rollouts is not None, None
     ref_policy = None
     if config.loss.beta > 0:
         ref_policy = Policy(copy.deepcopy(model).requires_grad_(False), compute_dtype=torch.bfloat16 if bf16 else None)
@@ -267,23 +281,48 @@ def train(config: TrainConfig, *, log=print) -> dict:
     adaptive = AdaptiveGroupSize(s.group_size, maximum=gs.max_group_size, threshold=gs.invalid_rate_threshold,
                                  window=gs.window) if gs.adaptive else None  # fmt: skip
     order, rng, cursor, first, elapsed = list(range(len(train_set))), random.Random(config.seed), 0, 0, 0.0
+    loss_options = config.loss.kwargs()
+    if decoupled:
+        example = train_set[0]
+        rollouts.connect(policy.model, (tok.encode_prompt(example.prompt), tok.encode(example.answer, eos=True)))
+        if s.max_staleness and loss_options.get("sampler_is_mode") is None:
+            loss_options["sampler_is_mode"] = "token_truncate"
+            log(f"sampling.max_staleness = {s.max_staleness}: the loss corrects with the sampler's log-probs "
+                '(loss.sampler_is_mode "token_truncate")')  # fmt: skip
 
-    def sync_sampler():  # the shared-model HF sampler needs nothing
-        if d.distributed or s.sampler == "vllm":
+    def sync_sampler(version: int, *, changed: bool = True) -> dict:
+        """The new weights to the sampler (the shared-model HF sampler needs nothing); version: steps done."""
+        if decoupled:
+            if pipeline is None:
+                return rollouts.send(policy, version)
+            return rollouts.update(pipeline, policy, version, weights=changed)
+        if changed and (d.distributed or s.sampler == "vllm"):
             sampler.load_weights(full_state_dict(policy.model))
+        return {}
+
+    def evaluate_policy() -> float:
+        if not decoupled:
+            return evaluate(sampler, tok, task, eval_set, seed=config.seed + 7, d=d)
+        rate = evaluate(sampler, tok, task, eval_set, seed=config.seed + 7) if d.is_main else None
+        return all_gather_objects(rate, d)[0]
 
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, policy=policy, optimizer=optimizer, ref_policy=ref_policy, verify=False)
-        sync_sampler()
         first, cursor, order, elapsed = state["step"], state["cursor"], state["order"], state["elapsed_s"]
         rng.setstate((state["rng"][0], tuple(state["rng"][1]), state["rng"][2]))
         scheduler.load_state_dict(state["scheduler"])
         if adaptive:
             adaptive.load_state_dict(state["adaptive"])
         start_eval = state["eval_success_start"]
+    if checkpoint is not None or decoupled:
+        synced = sync_sampler(first)
+        if synced:
+            log(f"weights sent to the rollout servers: {synced['weight_sync_bytes'] / 2**20:.1f} MiB in "
+                f"{synced['weight_sync_s']:.2f} s, log-prob check {synced.get('weight_sync_logp_max_diff', 0):.2e}")
+    if checkpoint is not None:
         log(f"resumed from {checkpoint} at step {first}")
     else:
-        start_eval = evaluate(sampler, tok, task, eval_set, seed=config.seed + 7, d=d)
+        start_eval = evaluate_policy()
         log(f"held-out success before RL: {_with_se(start_eval, len(eval_set))}")
     if d.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -312,24 +351,47 @@ def train(config: TrainConfig, *, log=print) -> dict:
             cursor += 1
         return out
 
+    def prompt_state():  # where next_prompts stands, for a checkpoint
+        return {"cursor": cursor, "order": list(order), "rng": rng.getstate()}
+
+    def produce(step):  # decoupled, rank 0, the sampling thread: the batch of `step`
+        g = adaptive.group_size if adaptive else s.group_size
+        sampler.versions.clear()
+        rollout, sampled, rounds = _collect(config, sampler, tok, task, next_prompts, step, g, SINGLE)
+        return {"rollout": rollout, "sampled": sampled, "rounds": rounds, "group_size": g,
+                "prompt_state": prompt_state(), "version": min(sampler.versions)}  # fmt: skip
+
     out = metrics_path.open("w") if d.is_main else None
     if out is not None:
         out.writelines(line + "\n" for line in kept)
-    compute_old = config.loss.sampler_is_mode is not None or s.sampler == "vllm"  # for the mismatch metric
+    compute_old = loss_options.get("sampler_is_mode") is not None or s.sampler == "vllm"  # the mismatch metric
+    if decoupled:
+        pipeline = rollouts.pipeline(produce, first=first, last=o.steps)
     for step in range(first, o.steps):
-        g = adaptive.group_size if adaptive else s.group_size
-        rollout, sampled, rounds = _collect(config, sampler, tok, task, next_prompts, step, g, d)
+        timing = {}
+        if decoupled:
+            item = rollouts.get(pipeline, step)
+            rollout, sampled, rounds, g, where = (item[k] for k in ("rollout", "sampled", "rounds", "group_size",
+                                                                   "prompt_state"))  # fmt: skip
+            timing = {"rollout_staleness": step - item["version"], "rollout_generate_s": item["generate_s"],
+                      "rollout_wait_s": item["wait_s"]}  # fmt: skip
+        else:
+            g = adaptive.group_size if adaptive else s.group_size
+            start = time.perf_counter()
+            rollout, sampled, rounds = _collect(config, sampler, tok, task, next_prompts, step, g, d)
+            timing, where = {"rollout_generate_s": time.perf_counter() - start}, prompt_state()
         if rollout is None:
+            sync_sampler(step + 1, changed=False)
             say(f"step {step:4d}  every sampled group was invalid: no update")
         else:
-            metrics = grpo_step(policy, optimizer, rollout, loss_options=config.loss.kwargs(),
+            metrics = grpo_step(policy, optimizer, rollout, loss_options=loss_options,
                                 temperature=s.temperature, token_budget=config.packing.token_budget,
                                 shared_prefix=config.packing.shared_prefix, num_iterations=o.num_iterations,
                                 grad_clip=o.grad_clip, ref_policy=ref_policy, compute_old_logps=compute_old,
                                 algorithm=config.packing.algorithm, dist=d,
                                 autocast_dtype=torch.bfloat16 if bf16 and not d.distributed else None)  # fmt: skip
             scheduler.step()
-            sync_sampler()
+            metrics.update(timing, **sync_sampler(step + 1))
             if adaptive:
                 adaptive.update(metrics["invalid_group_rate"], rollout.pass_rates())
             metrics.update(step=step, lr=scheduler.get_last_lr()[0], elapsed_s=time.perf_counter() - started,
@@ -350,7 +412,7 @@ def train(config: TrainConfig, *, log=print) -> dict:
             bar.update(1)
         every = config.checkpoint.every
         if every and ((step + 1) % every == 0 or step + 1 == o.steps):
-            state = {"step": step + 1, "cursor": cursor, "order": order, "rng": rng.getstate(),
+            state = {"step": step + 1, **where,
                      "scheduler": scheduler.state_dict(), "adaptive": adaptive.state_dict() if adaptive else None,
                      "eval_success_start": start_eval, "elapsed_s": time.perf_counter() - started}  # fmt: skip
             save_checkpoint(run_dir, step + 1, policy=policy, optimizer=optimizer, ref_policy=ref_policy,
@@ -361,7 +423,9 @@ def train(config: TrainConfig, *, log=print) -> dict:
         bar.close()
     if writer is not None:
         writer.close()
-    final_eval = evaluate(sampler, tok, task, eval_set, seed=config.seed + 7, d=d)
+    if pipeline is not None:
+        pipeline.close()
+    final_eval = evaluate_policy()
     summary = {"eval_success_start": start_eval, "eval_success_end": final_eval, "eval_prompts": len(eval_set),
                "eval_success_se_start": _se(start_eval, len(eval_set)),
                "eval_success_se_end": _se(final_eval, len(eval_set)), "steps": o.steps,
@@ -372,7 +436,7 @@ def train(config: TrainConfig, *, log=print) -> dict:
         f"(was {_with_se(start_eval, len(eval_set))}; ± one binomial standard error)")
     if d.distributed:
         torch.distributed.barrier()
-    if s.sampler == "vllm":
+    if s.sampler == "vllm" and not decoupled:
         sampler.close()  # vLLM's shutdown also destroys the default process group
     if d.distributed and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

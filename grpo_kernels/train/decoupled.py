@@ -1,0 +1,283 @@
+"""`sampling.placement = "decoupled"`: the trainer's side of rollout servers on their own devices.
+
+    rollouts = Decoupled.start(config, model, tok, d, run_dir, log)     # before sharding: writes the servers' model
+    rollouts.connect(policy.model)                                     # after sharding: the weight stream
+    rollouts.sync(first)                                               # the servers get the trainer's weights
+    pipeline = rollouts.pipeline(produce, first=..., last=...)         # batches sampled in a thread on rank 0
+    item = rollouts.get(pipeline, step)                                # every rank: the batch of this step
+    metrics.update(rollouts.update(pipeline, step + 1))                # after the optimizer step: weights out
+    rollouts.close()
+
+Only rank 0 talks to the servers: it samples every group (group k on server k % n) and sends the weights; every
+rank receives the batch (a broadcast) and takes part in the FSDP gathers of the weight stream.
+
+Staleness (sampling.max_staleness = k): a thread on rank 0 samples the batch of step s as soon as the servers'
+weights are at most k optimizer steps behind s, so with k = 1 the batch of step t + 1 is sampled while step t
+trains. Weight versions: the servers' weights after t optimizer steps are version t (vLLM's
+/update_weight_version); each batch's staleness is its step minus the version the servers report for its
+tokens. A weight update waits for the batch being sampled (no batch mixes two versions), pauses the servers, sends
+the weights, checks them and resumes the servers.
+"""
+
+import socket
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+
+from ..packing import pack_sequences
+from .fsdp import all_gather_objects
+from .rollout_server import RolloutServer, RolloutServerError, ServerClient, ServerSampler, free_port
+from .step import completion_logprobs
+from .vllm_sampler import _checkpoint_weight_names, save_hf_model
+from .weight_transfer import WeightSync
+
+__all__ = ["Decoupled", "RolloutPipeline", "RolloutServerError"]
+
+
+class RolloutPipeline:
+    """Batches for steps first..last-1 produced by `produce(step) -> dict` in a daemon thread, at most
+    max_staleness steps ahead of the servers' weight version. An error in the thread is raised by `get`."""
+
+    def __init__(self, produce, *, first: int, last: int, max_staleness: int, version: int):
+        self.produce, self.k, self.version = produce, max_staleness, version
+        self.cond = threading.Condition()
+        self.items, self.error, self.busy, self.updating, self.closed = {}, None, False, False, False
+        self.thread = threading.Thread(target=self._run, args=(first, last), daemon=True, name="rollouts")
+        self.thread.start()
+
+    def _run(self, first: int, last: int) -> None:
+        try:
+            for step in range(first, last):
+                with self.cond:
+                    self.cond.wait_for(lambda s=step: self.closed or (s - self.version <= self.k and not self.updating))
+                    if self.closed:
+                        return
+                    self.busy = True
+                start = time.perf_counter()
+                try:
+                    item = self.produce(step)
+                finally:
+                    with self.cond:
+                        self.busy = False
+                        self.cond.notify_all()
+                item["generate_s"] = time.perf_counter() - start
+                with self.cond:
+                    self.items[step] = item
+                    self.cond.notify_all()
+        except BaseException as exc:  # noqa: BLE001  (re-raised in the trainer's thread)
+            with self.cond:
+                self.error = exc
+                self.cond.notify_all()
+
+    def get(self, step: int) -> dict:
+        """The batch of `step`, waiting for it; item["wait_s"] is how long the trainer waited."""
+        start = time.perf_counter()
+        with self.cond:
+            self.cond.wait_for(lambda: step in self.items or self.error is not None)
+            if step not in self.items:
+                raise self.error
+            item = self.items.pop(step)
+        item["wait_s"] = time.perf_counter() - start
+        return item
+
+    def update(self, send, version: int):
+        """send() while no batch is being sampled (waits for the current one); then the servers are at `version`."""
+        with self.cond:
+            self.updating = True
+            self.cond.wait_for(lambda: not self.busy or self.error is not None)
+            if self.error is not None:
+                raise self.error
+        try:
+            return send()
+        finally:
+            with self.cond:
+                self.version, self.updating = version, False
+                self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+
+class Decoupled:
+    """Rollout servers started (or reached) by trainer rank 0, the sampler over them, the weight stream."""
+
+    def __init__(self, config, tok, d, started, clients, sampler, model_dir: Path, log):
+        self.config, self.s, self.tok, self.d, self.log = config, config.sampling, tok, d, log
+        self.started, self.clients, self.sampler, self.model_dir = started, clients, sampler, model_dir
+        self.sync_engine = None
+        self.check_sequence = None
+
+    @classmethod
+    def start(cls, config, model, tok, d, run_dir: Path, log) -> "Decoupled":
+        """Rank 0: write the model for the servers, start them (or reach sampling.server_urls), set their
+        temperature. Other ranks: nothing but the model directory's name."""
+        s = config.sampling
+        model_dir = Path(run_dir) / "rollout-model"
+        started, clients, sampler = [], [], None
+        cpus = _split_cores(s, log) if not torch.cuda.is_available() and not s.server_urls else None
+        if d.is_main:
+            save_hf_model(model, model_dir)
+            try:
+                if s.server_urls:
+                    urls = [u.strip() for u in s.server_urls.split(",") if u.strip()]
+                    clients = [ServerClient(u, timeout_s=s.server_timeout_s) for u in urls]
+                else:
+                    devices = _server_devices(s, d) if cpus is None else [None] * s.servers
+                    dtype = "bfloat16" if config.model.dtype == "bfloat16" else "float32"
+                    for i in range(s.servers):
+                        server = RolloutServer(model_dir, port=free_port(), devices=devices[i],
+                                               cpus=None if cpus is None else cpus[i],
+                                               tensor_parallel_size=s.server_tensor_parallel_size, dtype=dtype,
+                                               gpu_memory_utilization=s.vllm_gpu_memory_utilization,
+                                               backend=_backend(s), log_path=Path(run_dir) / f"rollout-server-{i}.log",
+                                               start_timeout_s=s.server_start_timeout_s)  # fmt: skip
+                        started.append(server)
+                    t = time.perf_counter()
+                    for server in started:  # all starting at once: engine start-up overlaps
+                        server.launch()
+                    for server in started:
+                        server.wait_ready()
+                    log(f"rollout servers: {len(started)} started in {time.perf_counter() - t:.0f} s "
+                        f"({', '.join(x.url for x in started)}; logs in {run_dir})")  # fmt: skip
+                    clients = [ServerClient(x.url, process=x, timeout_s=s.server_timeout_s) for x in started]
+                sampler = ServerSampler(clients, eos_id=tok.eos_id, stop_ids=tok.stop_ids,
+                                        max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                                        health_every_s=min(5.0, s.server_timeout_s / 2))  # fmt: skip
+            except BaseException:
+                for server in started:
+                    server.stop()
+                raise
+        return cls(config, tok, d, started, clients, sampler, model_dir, log)
+
+    def connect(self, model, check_example) -> None:
+        """The weight stream from `model` (FSDP-sharded or not), on every rank; check_example: (prompt ids,
+        completion ids) whose log-probs every sync compares."""
+        s = self.config.sampling
+        names = all_gather_objects(_checkpoint_weight_names(self.model_dir) if self.d.is_main else None, self.d)[0]
+        address = s.weight_transfer_address or _default_address([c.url for c in self.clients])
+        port = all_gather_objects(free_port() if self.d.is_main else None, self.d)[0]
+        wire = torch.bfloat16 if self.config.model.dtype == "bfloat16" else torch.float32
+        self.sync_engine = WeightSync(model, servers=self.clients if self.d.is_main else None, rank=self.d.rank,
+                                      backend=_backend(s), names=names, wire_dtype=wire, address=address, port=port,
+                                      bucket_bytes=s.weight_sync_bucket_mb << 20,
+                                      timeout_s=s.server_timeout_s)  # fmt: skip
+        self.check_sequence = check_example
+
+    def send(self, policy, version: int, *, weights: bool = True) -> dict:
+        """Every rank: the weights out to every server (paused meanwhile), the version set, the sync checked.
+        weights False: only the version (a step without an update)."""
+        if not weights:
+            if self.d.is_main:
+                for c in self.clients:
+                    c.post("update_weight_version", {"new_version": str(version)})
+            return {}
+        if self.d.is_main:
+            self.sampler.pause()
+        metrics = self.sync_engine.send()
+        if self.d.is_main:
+            for c in self.clients:
+                c.post("update_weight_version", {"new_version": str(version)})
+            self.sampler.resume()
+        if self.config.sampling.verify_weight_sync:
+            metrics["weight_sync_logp_max_diff"] = self._check(policy)
+        return metrics if self.d.is_main else {}
+
+    def _check(self, policy) -> float:
+        prompt, completion = self.check_sequence
+        packed = pack_sequences([prompt], [completion], device=self.d.device)
+        mine = completion_logprobs(policy, packed, temperature=self.config.sampling.temperature).float().cpu()
+        diff = 0.0
+        if self.d.is_main:
+            for i in range(len(self.clients)):
+                theirs = self.sampler.sequence_logprobs(prompt, completion, server=i)
+                diff = max(diff, float((theirs - mine).abs().max()))
+        return diff
+
+    def pipeline(self, produce, *, first: int, last: int) -> RolloutPipeline | None:
+        if not self.d.is_main:
+            return None
+        return RolloutPipeline(produce, first=first, last=last, max_staleness=self.config.sampling.max_staleness,
+                               version=first)  # fmt: skip
+
+    def get(self, pipeline, step: int) -> dict:
+        """Every rank: the batch of `step` (rank 0 waits for its thread, then broadcasts it)."""
+        item = pipeline.get(step) if self.d.is_main else None
+        return all_gather_objects(item, self.d)[0] if self.d.distributed else item
+
+    def update(self, pipeline, policy, version: int, *, weights: bool = True) -> dict:
+        """Every rank, after an optimizer step: the new weights to the servers (version = steps done)."""
+        if self.d.is_main:
+            return pipeline.update(lambda: self.send(policy, version, weights=weights), version)
+        return self.send(policy, version, weights=weights)
+
+    def close(self) -> None:
+        if self.sync_engine is not None:
+            self.sync_engine.close()
+        for server in self.started:
+            server.stop()
+
+
+def _backend(s) -> str:
+    if s.weight_transfer != "auto":
+        return s.weight_transfer
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _split_cores(s, log) -> list:
+    """CPUs: the cores of each server (sampling.server_devices as core lists, else the first half of this
+    process's cores, shared by the servers); this process (every local trainer rank) keeps the others."""
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    if s.server_devices:
+        lists = [_parse_cores(x, cores) for x in s.server_devices.split(";")]
+    elif len(cores) < 2:
+        log("warning: one CPU core: the rollout servers share it with the trainer")
+        return [cores] * s.servers
+    else:
+        lists = [cores[: len(cores) // 2]] * s.servers
+    used = {c for x in lists for c in x}
+    mine = [c for c in cores if c not in used]
+    if not mine:
+        raise ValueError(f"sampling.server_devices {s.server_devices!r} leaves the trainer no CPU core of {cores}")
+    os.sched_setaffinity(0, mine)
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), len(mine))))
+    return lists
+
+
+def _parse_cores(text: str, cores: list) -> list:
+    out = []
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        try:
+            out += list(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            raise ValueError(f"sampling.server_devices: {text!r} is not a list of CPU cores like 0-3,8") from None
+    if not set(out) <= set(cores):
+        raise ValueError(f"sampling.server_devices: cores {sorted(set(out) - set(cores))} are not this process's "
+                         f"({cores})")  # fmt: skip
+    return out
+
+
+def _server_devices(s, d) -> list:
+    """CUDA_VISIBLE_DEVICES of each started server: sampling.server_devices, else the GPUs after the trainer's."""
+    if s.server_devices:
+        return [x.strip() for x in s.server_devices.split(";")]
+    if not torch.cuda.is_available():
+        return [None] * s.servers
+    first, tp, have = d.world, s.server_tensor_parallel_size, torch.cuda.device_count()
+    if first + s.servers * tp > have:
+        raise ValueError(f"sampling.servers = {s.servers} x server_tensor_parallel_size = {tp} GPUs after the "
+                         f"trainer's {first}: this node has {have}; set sampling.server_devices or "
+                         "sampling.server_urls")  # fmt: skip
+    return [",".join(str(first + i * tp + j) for j in range(tp)) for i in range(s.servers)]
+
+
+def _default_address(urls: list) -> str:
+    hosts = {urlparse(u).hostname for u in urls}
+    return "127.0.0.1" if hosts <= {"127.0.0.1", "localhost"} else socket.getfqdn()

@@ -45,6 +45,7 @@ class RolloutPipeline:
         self.produce, self.k, self.version = produce, max_staleness, version
         self.cond = threading.Condition()
         self.items, self.error, self.busy, self.updating, self.closed = {}, None, False, False, False
+        self.started, self.last = first - 1, last
         self.thread = threading.Thread(target=self._run, args=(first, last), daemon=True, name="rollouts")
         self.thread.start()
 
@@ -55,7 +56,7 @@ class RolloutPipeline:
                     self.cond.wait_for(lambda s=step: self.closed or (s - self.version <= self.k and not self.updating))
                     if self.closed:
                         return
-                    self.busy = True
+                    self.busy, self.started = True, step
                 start = time.perf_counter()
                 try:
                     item = self.produce(step)
@@ -84,11 +85,16 @@ class RolloutPipeline:
         return item
 
     def update(self, send, version: int):
-        """send() while no batch is being sampled (waits for the current one); then the servers are at `version`."""
+        """send() while no batch is being sampled; then the servers are at `version`. It waits for the batch being
+        sampled, and first for the batch of step version - 1 + k to start: so the batch of step s is always
+        sampled with the weights of step s - k (s - first for the first k), whatever the timing."""
+        due = min(version - 1 + self.k, self.last - 1)
         with self.cond:
+            self.cond.wait_for(lambda: self.started >= due or self.error is not None)
             self.updating = True
             self.cond.wait_for(lambda: not self.busy or self.error is not None)
             if self.error is not None:
+                self.updating = False
                 raise self.error
         try:
             return send()
@@ -178,7 +184,15 @@ class Decoupled:
             return {}
         if self.d.is_main:
             self.sampler.pause()
-        metrics = self.sync_engine.send()
+        try:
+            metrics = self.sync_engine.send()
+        except (RuntimeError, OSError) as exc:  # a gloo/NCCL error: name the server when one is gone
+            if isinstance(exc, RolloutServerError):
+                raise
+            for server in self.started:
+                server.check_alive()
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise RolloutServerError(f"the weight transfer to the rollout servers failed: {first[:300]}") from None
         if self.d.is_main:
             for c in self.clients:
                 c.post("update_weight_version", {"new_version": str(version)})

@@ -153,18 +153,44 @@ class RolloutServer:
         last = lines[-1].strip()[-200:] if lines else ""
         return f"; its log {self.log_path} ends with: {last}" if last else f"; its log: {self.log_path}"
 
-    def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM to the server's session (the API server and vLLM's engine processes), SIGKILL after timeout_s."""
-        if self.process is None or self.process.poll() is not None:
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM to the server's process group (the API server and vLLM's engine processes, also when the API
+        server itself is already gone), SIGKILL to what is left after timeout_s."""
+        if self.process is None:
             return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline and _group_alive(self.process.pid):
+                self.process.poll()  # reaps the API server
+                time.sleep(0.1)
+            if not _group_alive(self.process.pid):
+                break
+        self.process.poll()
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group pgid still runs (zombies, which init reaps, do not count)."""
+    if not os.path.isdir("/proc"):
         try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+            os.killpg(pgid, 0)
+            return True
         except ProcessLookupError:
-            pass
+            return False
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 class ServerClient:

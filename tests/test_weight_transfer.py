@@ -1,0 +1,200 @@
+"""The weight stream to rollout servers, without servers: the "gloo" engines' wire format (bucket_plan), a full
+round trip through vLLM's own trainer factory into two in-process worker engines (each a rank of a real gloo
+group), the name check, and the staleness pipeline. The same engines behind real `vllm serve` processes:
+tests/test_decoupled.py."""
+
+import importlib.util
+import os
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from grpo_kernels.train.decoupled import RolloutPipeline
+from grpo_kernels.train.weight_transfer import ALIGN, bucket_plan, bucket_size
+
+DTYPES = ["float32", "bfloat16", "float16", "int64", "uint8"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(DTYPES), st.lists(st.integers(0, 40), min_size=0, max_size=3)),
+                min_size=1, max_size=30), st.integers(1, 5000))  # fmt: skip
+def test_bucket_plan_covers_every_tensor_once_in_order_aligned_and_within_the_bound(params, bucket_bytes):
+    dtypes, shapes = [d for d, _ in params], [s for _, s in params]
+    plan = bucket_plan(dtypes, shapes, bucket_bytes)
+    assert [i for bucket in plan for i, _, _ in bucket] == list(range(len(params)))
+    for bucket in plan:
+        assert bucket, "an empty bucket"
+        end = 0
+        for i, offset, size in bucket:
+            item = getattr(torch, dtypes[i]).itemsize
+            assert size == torch.Size(shapes[i]).numel() * item
+            assert offset % ALIGN == 0 and offset >= end  # aligned, no overlap
+            end = offset + size
+        assert bucket_size(bucket) == end
+        assert end <= bucket_bytes or len(bucket) == 1  # only a lone tensor may exceed the bound
+
+
+def _require_vllm():
+    if importlib.util.find_spec("vllm") is None:
+        if os.environ.get("GRPO_REQUIRE_VLLM") == "1":
+            pytest.fail("vllm is not importable (GRPO_REQUIRE_VLLM=1)")
+        pytest.skip("vllm is not importable")
+
+
+class _FakeModel:
+    """What the worker engine needs of a vLLM model: load_weights (copies, as vLLM's do)."""
+
+    def __init__(self):
+        self.loaded = {}
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            assert name not in self.loaded, f"{name} loaded twice"
+            self.loaded[name] = tensor.clone()
+
+
+class _FakeServer:
+    """A server's HTTP routes, answered by an in-process GlooWeightTransferEngine (the worker side)."""
+
+    world_size = 1
+
+    def __init__(self):
+        from grpo_kernels.train.weight_transfer import GlooWeightTransferEngine, register_vllm_plugin
+
+        register_vllm_plugin()
+        vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_index=0, world_size=1, rank=0),
+                                      model_config=None)  # fmt: skip
+        self.model = _FakeModel()
+        self.engine = GlooWeightTransferEngine(SimpleNamespace(backend="gloo"), vllm_config, torch.device("cpu"),
+                                               self.model)  # fmt: skip
+        self.calls = []
+
+    def post(self, path, body=None):
+        self.calls.append(path)
+        if path == "init_weight_transfer_engine":
+            self.engine.init_transfer_engine(self.engine.parse_init_info(body["init_info"]))
+        elif path == "update_weights":
+            self.engine.receive_weights(self.engine.parse_update_info(body["update_info"]))
+
+
+def _model():
+    from grpo_kernels.train.tasks import CharTokenizer, tiny_model
+
+    return tiny_model(CharTokenizer().vocab_size, attn_implementation="sdpa", seed=3)
+
+
+@pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16])
+def test_gloo_stream_delivers_every_weight_to_every_server(wire):
+    _require_vllm()
+    from grpo_kernels.train.rollout_server import free_port
+    from grpo_kernels.train.weight_transfer import WeightSync
+
+    model = _model()
+    names = {n for n, _ in model.named_parameters()}
+    tied = model.config.tie_word_embeddings
+    servers = [_FakeServer(), _FakeServer()]
+    sync = WeightSync(model, servers=servers, rank=0, backend="gloo", names=names, wire_dtype=wire,
+                      address="127.0.0.1", port=free_port(), bucket_bytes=3000, timeout_s=30)  # fmt: skip
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))  # fresh values: what arrives must be these, not the initial ones
+    stats = sync.send()
+    expected = dict(model.named_parameters())
+    if tied:
+        expected["lm_head.weight"] = model.get_output_embeddings().weight
+    assert stats["weight_sync_bytes"] == sum(p.numel() for p in expected.values()) * wire.itemsize
+    for server in servers:
+        assert server.calls == ["init_weight_transfer_engine", "start_weight_update", "update_weights",
+                                "finish_weight_update"]  # fmt: skip
+        assert set(server.model.loaded) == set(expected)
+        for name, p in expected.items():
+            got = server.model.loaded[name]
+            assert got.dtype == wire and got.shape == p.shape
+            assert torch.equal(got, p.detach().to(wire)), name
+    sync.close()
+
+
+def test_weight_sync_refuses_names_the_servers_checkpoint_does_not_have():
+    _require_vllm()
+    from grpo_kernels.train.weight_transfer import WeightSync
+
+    model = _model()
+    names = {n for n, _ in model.named_parameters()}
+    dropped = sorted(names)[3]
+    with pytest.raises(ValueError, match="do not match the servers' checkpoint.*missing"):
+        WeightSync(model, servers=None, rank=1, backend="gloo", names=names | {"model.extra.weight"},
+                   wire_dtype=torch.float32, address="127.0.0.1", port=1)  # fmt: skip
+    with pytest.raises(ValueError, match=f"unexpected \\['{dropped}'\\]"):
+        WeightSync(model, servers=None, rank=1, backend="gloo", names=names - {dropped}, wire_dtype=torch.float32,
+                   address="127.0.0.1", port=1)  # fmt: skip
+
+
+def _drive(k, steps=6, train_s=0.0, produce_s=0.0):
+    """The trainer's use of a RolloutPipeline: get(step), train, update(version = step + 1); returns the version
+    each batch was produced with."""
+    holder = []
+
+    def produce(step):
+        while not holder:  # the thread may start before the constructor returns
+            time.sleep(0.001)
+        version = holder[0].version
+        time.sleep(produce_s)
+        return {"version": version}
+
+    pipeline = RolloutPipeline(produce, first=0, last=steps, max_staleness=k, version=0)
+    holder.append(pipeline)
+    versions = []
+    for step in range(steps):
+        versions.append(pipeline.get(step)["version"])
+        time.sleep(train_s)
+        pipeline.update(lambda: None, step + 1)
+    pipeline.close()
+    return versions
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+@pytest.mark.parametrize("train_s,produce_s", [(0.0, 0.0), (0.02, 0.0), (0.0, 0.02)])
+def test_pipeline_samples_step_s_with_the_weights_of_step_s_minus_k_whatever_the_timing(k, train_s, produce_s):
+    versions = _drive(k, train_s=train_s, produce_s=produce_s)
+    assert [s - v for s, v in enumerate(versions)] == [min(s, k) for s in range(6)]
+
+
+def test_pipeline_raises_the_sampling_threads_error_in_the_trainer():
+    def produce(step):
+        if step == 2:
+            raise RuntimeError("server gone")
+        return {}
+
+    pipeline = RolloutPipeline(produce, first=0, last=5, max_staleness=1, version=0)
+    pipeline.get(0)
+    pipeline.update(lambda: None, 1)
+    pipeline.get(1)
+    with pytest.raises(RuntimeError, match="server gone"):
+        pipeline.update(lambda: None, 2)  # waits for step 2 to start, which fails
+    with pytest.raises(RuntimeError, match="server gone"):
+        pipeline.get(2)
+
+
+def test_pipeline_update_waits_for_the_batch_being_sampled():
+    started, release = threading.Event(), threading.Event()
+    log = []
+
+    def produce(step):
+        if step == 1:
+            started.set()
+            release.wait(5)
+        log.append(f"produced {step}")
+        return {}
+
+    pipeline = RolloutPipeline(produce, first=0, last=2, max_staleness=1, version=0)
+    pipeline.get(0)
+    started.wait(5)
+    threading.Timer(0.2, release.set).start()
+    pipeline.update(lambda: log.append("update"), 1)
+    assert log == ["produced 0", "produced 1", "update"]
+    pipeline.close()

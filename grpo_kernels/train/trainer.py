@@ -297,7 +297,9 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
                 return rollouts.send(policy, version)
             return rollouts.update(pipeline, policy, version, weights=changed)
         if changed and (d.distributed or s.sampler == "vllm"):
+            start = time.perf_counter()
             sampler.load_weights(full_state_dict(policy.model))
+            return {"weight_sync_s": time.perf_counter() - start}
         return {}
 
     def evaluate_policy() -> float:

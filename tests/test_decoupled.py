@@ -233,3 +233,30 @@ def test_servers_started_by_hand_with_serve_rollout_and_reached_by_url(tmp_path)
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(60)
+
+
+def test_a_server_that_stops_answering_ends_the_run_with_one_line(tmp_path):
+    """SIGSTOP to the API server (alive, silent): within sampling.server_timeout_s (10 here) plus the stop of the
+    servers, the trainer exits with one error line, and takes the stopped server down."""
+    _require_vllm()
+    run = tmp_path / "run"
+    args = ["--optim.steps=400", "--sampling.group_size=4", "--sampling.prompts_per_step=4",
+            "--task.num_eval_prompts=8", "--sampling.placement=decoupled", "--sampling.max_staleness=1",
+            "--sampling.server_timeout_s=10", "--logging.log_every=1"]  # fmt: skip
+    proc = subprocess.Popen(_command(run, args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env())  # fmt: skip
+    _wait_for_line(proc, "step    3", timeout=300)
+    (group,) = _server_groups(run)
+    try:
+        os.kill(group, signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        assert time.monotonic() - stopped < 60
+        assert proc.returncode != 0
+        lines = [line for line in err.splitlines() if line.startswith("grpo-kernels train: error:")]
+        assert len(lines) == 1 and "rollout server" in lines[0], err[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+        assert not _alive(group)
+    finally:
+        if _alive(group):
+            os.killpg(group, signal.SIGKILL)

@@ -19,6 +19,7 @@ tokens. A weight update waits for the batch being sampled (no batch mixes two ve
 the weights, checks them and resumes the servers.
 """
 
+import os
 import socket
 import threading
 import time
@@ -32,7 +33,6 @@ from .fsdp import all_gather_objects
 from .rollout_server import RolloutServer, RolloutServerError, ServerClient, ServerSampler, free_port
 from .step import completion_logprobs
 from .vllm_sampler import _checkpoint_weight_names, save_hf_model
-from .weight_transfer import WeightSync
 
 __all__ = ["Decoupled", "RolloutPipeline", "RolloutServerError"]
 
@@ -57,7 +57,7 @@ class RolloutPipeline:
                     if self.closed:
                         return
                     self.busy, self.started = True, step
-                start = time.perf_counter()
+                start, version = time.perf_counter(), self.version
                 try:
                     item = self.produce(step)
                 finally:
@@ -65,6 +65,7 @@ class RolloutPipeline:
                         self.busy = False
                         self.cond.notify_all()
                 item["generate_s"] = time.perf_counter() - start
+                item.setdefault("version", version)  # the servers' own record of it, when they report one
                 with self.cond:
                     self.items[step] = item
                     self.cond.notify_all()
@@ -163,6 +164,8 @@ class Decoupled:
     def connect(self, model, check_example) -> None:
         """The weight stream from `model` (FSDP-sharded or not), on every rank; check_example: (prompt ids,
         completion ids) whose log-probs every sync compares."""
+        from .weight_transfer import WeightSync
+
         s = self.config.sampling
         names = all_gather_objects(_checkpoint_weight_names(self.model_dir) if self.d.is_main else None, self.d)[0]
         address = s.weight_transfer_address or _default_address([c.url for c in self.clients])
@@ -245,8 +248,6 @@ def _backend(s) -> str:
 def _split_cores(s, log) -> list:
     """CPUs: the cores of each server (sampling.server_devices as core lists, else the first half of this
     process's cores, shared by the servers); this process (every local trainer rank) keeps the others."""
-    import os
-
     cores = sorted(os.sched_getaffinity(0))
     if s.server_devices:
         lists = [_parse_cores(x, cores) for x in s.server_devices.split(";")]
@@ -284,7 +285,8 @@ def _server_devices(s, d) -> list:
         return [x.strip() for x in s.server_devices.split(";")]
     if not torch.cuda.is_available():
         return [None] * s.servers
-    first, tp, have = d.world, s.server_tensor_parallel_size, torch.cuda.device_count()
+    first = int(os.environ.get("LOCAL_WORLD_SIZE", d.world))  # this node's trainer ranks hold GPUs 0..first-1
+    tp, have = s.server_tensor_parallel_size, torch.cuda.device_count()
     if first + s.servers * tp > have:
         raise ValueError(f"sampling.servers = {s.servers} x server_tensor_parallel_size = {tp} GPUs after the "
                          f"trainer's {first}: this node has {have}; set sampling.server_devices or "

@@ -40,7 +40,6 @@ from .checkpoint import (
     verify_checkpoint,
 )
 from .config import TrainConfig, save_config, to_dict
-from .decoupled import Decoupled
 from .fsdp import SINGLE, Dist, all_gather_objects, full_state_dict, init_distributed, shard
 from .group_size import AdaptiveGroupSize
 from .rollout import Rollout
@@ -252,6 +251,8 @@ def train(config: TrainConfig, *, log=print) -> dict:
     model.to(d.device)
     rollouts = None
     if config.sampling.placement == "decoupled":  # rollout servers, started by rank 0; the sampler is rank 0's
+        from .decoupled import Decoupled  # imports vLLM (its weight-transfer API): only here
+
         rollouts = Decoupled.start(config, model, tok, d, run_dir, log)
         sampler = rollouts.sampler
     else:
@@ -360,8 +361,11 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
         g = adaptive.group_size if adaptive else s.group_size
         sampler.versions.clear()
         rollout, sampled, rounds = _collect(config, sampler, tok, task, next_prompts, step, g, SINGLE)
-        return {"rollout": rollout, "sampled": sampled, "rounds": rounds, "group_size": g,
-                "prompt_state": prompt_state(), "version": min(sampler.versions)}  # fmt: skip
+        item = {"rollout": rollout, "sampled": sampled, "rounds": rounds, "group_size": g,
+                "prompt_state": prompt_state()}  # fmt: skip
+        if sampler.versions:  # the weight version the servers report for the batch's tokens
+            item["version"] = min(sampler.versions)
+        return item
 
     out = metrics_path.open("w") if d.is_main else None
     if out is not None:

@@ -13,14 +13,16 @@ On a CPU the decoupled runs split the cores: the server gets half of them, the t
 
 Reported per mode, medians over the steps after the first 2: step_s (wall time between consecutive steps' ends),
 generate_s (sampling + rewards of the step's batch, in the sampling thread when decoupled), wait_s (how long the
-trainer waited for that batch), train_s (grpo_step), sync_s (weights to the sampler, pause and check included).
+trainer waited for that batch), train_s (grpo_step), sync_s (the weight transfer itself, weight_sync_s: without the
+pause/resume of the servers and the log-prob check after it).
 
-The overlap model: a synchronous step costs generate + train + sync; with max_staleness >= 1 generation of the next
-batch runs during training, and the weight update waits for it, so a step costs max(generate, train) + sync. From
-the decoupled_k0 run's own times it predicts the k = 1 step time and the gain (k0 step / k1 step), printed next to
-the measured k = 1 step. It holds when sampler and trainer do not compete for anything: separate GPUs. On a shared
-CPU they compete for memory bandwidth, so the measured gain falls short of the prediction; `--predict` applies the
-model to a GPU run's metrics instead. Rows are appended to benchmarks/results/decoupled_<device>.csv.
+The overlap model: a synchronous step costs generate + train + sync + the rest (pause, check, bookkeeping); with
+max_staleness >= 1 the next batch is generated during training, and the weight update waits for it, so a step costs
+min(generate, train) less. From the decoupled_k0 run's own times it predicts the k = 1 step time and the gain (k0
+step / k1 step), printed next to the measured k = 1 step. It holds when sampler and trainer do not compete for
+anything: separate GPUs. On a shared CPU they compete (memory bandwidth, the server's processes on one core), so the
+measured gain falls short of the prediction; `--predict RUN_DIR` applies the model to a GPU run's metrics instead.
+Rows are appended to benchmarks/results/decoupled_<device>.csv.
 """
 
 import argparse
@@ -60,9 +62,12 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def predict(times: dict) -> dict:
-    """The overlap model on a synchronous run's times: {sync_step_s, overlap_step_s, gain}."""
-    g, t, s = times["generate_s"], times["train_s"], times["sync_s"]
-    sync_step, overlap_step = g + t + s, max(g, t) + s
+    """The overlap model on a synchronous run's times: {sync_step_s, overlap_step_s, gain}. The synchronous step
+    is the measured one (generate + train + sync + the rest: the sync check, bookkeeping); overlapping saves
+    min(generate, train) of it."""
+    g, t = times["generate_s"], times["train_s"]
+    sync_step = times["step_s"]
+    overlap_step = sync_step - min(g, t)
     return {"sync_step_s": sync_step, "overlap_step_s": overlap_step, "gain": sync_step / overlap_step}
 
 
@@ -88,9 +93,11 @@ def main(argv=None) -> None:
         rows = [json.loads(line) for line in (Path(args.predict) / "metrics.jsonl").read_text().splitlines()]
         times = summarize(rows)
         model = predict(times)
-        print(f"{args.predict}: generate {times['generate_s']:.4f} s, train {times['train_s']:.4f} s, sync "
-              f"{times['sync_s']:.4f} s per step -> synchronous {model['sync_step_s']:.4f} s, overlapped "
+        print(f"{args.predict}: step {times['step_s']:.4f} s, generate {times['generate_s']:.4f} s, train "
+              f"{times['train_s']:.4f} s, sync {times['sync_s']:.4f} s (medians) -> overlapped "
               f"{model['overlap_step_s']:.4f} s: predicted gain {model['gain']:.2f}x")  # fmt: skip
+        if times["staleness"]:
+            print("(this run already overlaps: the model is meant for a synchronous one, max_staleness 0)")
         return
     base = SMOLLM2 if args.model == "smollm2-135m" else TINY
     if args.model and args.model != "smollm2-135m":

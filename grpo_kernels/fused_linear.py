@@ -347,10 +347,10 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     tokens). As in Liger, the kl slot is there whenever beta != 0 (0 with use_ref_model=False), and the reference
     log-probs come from `ref_per_token_logps`, else from `ref_input`/`ref_weight`/`ref_bias` (computed chunk by chunk,
     no [T, V] logits), which are ignored otherwise. `compiled` and `chunk_size` are accepted for compatibility (the
-    chunk is sized by `chunk_tokens`); as in Liger, dapo/cispo divide `num_items_in_batch` by the world size. Liger
-    options we do not run raise NotImplementedError: `vllm_is_ratio` (use fused_linear_grpo_loss with
-    sampler_logps/sampler_is_mode), and the "luspo"/"vespo" loss types. The loss options are held (and checked) as
-    a `LossOptions`, `self.options`.
+    chunk is sized by `chunk_tokens`); as in Liger, dapo/cispo divide `num_items_in_batch` by the world size.
+    `vllm_is_ratio` multiplies the per-token loss before the KL term, as Liger's (run as the sampler correction).
+    The "luspo"/"vespo" loss types raise NotImplementedError. The loss options are held (and checked) as a
+    `LossOptions`, `self.options`.
     """
 
     def __init__(self, beta=0.04, compiled=True, use_ref_model=True, chunk_size=1, epsilon_low=0.2, epsilon_high=0.2,
@@ -375,10 +375,6 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     def forward(self, _input, lin_weight, selected_token_ids, attention_mask, advantages, bias=None,
                 ref_per_token_logps=None, old_per_token_logps=None, ref_input=None, ref_weight=None, ref_bias=None,
                 vllm_is_ratio=None, num_items_in_batch=None):  # fmt: skip
-        if vllm_is_ratio is not None:
-            raise NotImplementedError(
-                "vllm_is_ratio: use fused_linear_grpo_loss(sampler_logps=..., sampler_is_mode=...)"
-            )
         beta = self.options.beta
         if beta and ref_per_token_logps is None and ref_input is not None:  # else Liger ignores ref_input & co.
             if ref_weight is None:
@@ -389,13 +385,37 @@ class FusedLinearGRPOLoss(torch.nn.Module):
             )  # fmt: skip
         if num_items_in_batch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
             num_items_in_batch = num_items_in_batch / torch.distributed.get_world_size()
+        options = self.options.kwargs()
+        if vllm_is_ratio is not None:  # Liger: per-token loss x ratio, before the KL term
+            old_per_token_logps, sampler = self._ratio_as_sampler_logps(vllm_is_ratio, old_per_token_logps, _input,
+                                                                        lin_weight, bias, selected_token_ids)
+            options.update(sampler_logps=sampler, sampler_is_mode="token_truncate",
+                           sampler_is_cap=2.0 * float(vllm_is_ratio.max()) + 1.0)  # fmt: skip
         loss, metrics = fused_linear_grpo_loss(
             _input, lin_weight, selected_token_ids, advantages, bias=bias, old_logps=old_per_token_logps,
             ref_logps=ref_per_token_logps if beta else None, mask=attention_mask, temperature=self.temperature,
-            chunk_tokens=self.chunk_tokens, num_items_in_batch=num_items_in_batch, **self.options.kwargs(),
+            chunk_tokens=self.chunk_tokens, num_items_in_batch=num_items_in_batch, **options,
         )  # fmt: skip
         clip = metrics.get("clip_ratio/region_mean", metrics.get("cispo_clip_ratio"))
         if self.options.loss_type == "sapo":  # Liger reports no clipping for SAPO's soft gate
             clip = torch.zeros_like(clip)
         kl = metrics["kl"] if beta else torch.zeros((), dtype=clip.dtype, device=clip.device)
         return loss, ([kl] if self.kl_slot else []) + [clip]
+
+    def _ratio_as_sampler_logps(self, ratio, old, hidden, weight, bias, ids):
+        """Liger's vllm_is_ratio ([B, L] or [B, 1] weights) as the sampler correction of the fused loss: sampler
+        log-probs old - log(ratio) give the weight exp(old - sampler) = ratio (token_truncate, its cap above every
+        ratio). Without old log-probs they are computed (one pass without grad), as Liger's old = logps.detach()."""
+        ratio = torch.as_tensor(ratio)
+        if ratio.dim() == 1:
+            ratio = ratio[:, None]
+        if ratio.dim() != 2 or ratio.shape[0] != ids.shape[0] or ratio.shape[1] not in (1, ids.shape[1]):
+            raise ValueError(f"vllm_is_ratio must be [B, L] or [B, 1] for ids {tuple(ids.shape)}, got "
+                             f"{tuple(ratio.shape)}")  # fmt: skip
+        if not bool(torch.isfinite(ratio).all()) or bool((ratio < 0).any()):
+            raise ValueError("vllm_is_ratio must be finite and >= 0")
+        if old is None:
+            old = fused_linear_logprobs(hidden.detach(), weight.detach(), ids, bias=None if bias is None else
+                                        bias.detach(), temperature=self.temperature, chunk_tokens=self.chunk_tokens)
+        ratio = ratio.to(device=old.device, dtype=torch.float32).clamp(min=1e-30).expand(ids.shape)
+        return old, old.float() - torch.log(ratio)

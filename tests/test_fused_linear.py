@@ -235,3 +235,37 @@ def test_module_returns_liger_metric_slots_and_ignores_what_liger_ignores(use_re
     assert_close(loss, l_loss, name="loss vs Liger", rtol=1e-4, atol=1e-6)
     for got, want in zip(m, l_m, strict=True):
         assert_close(got, want, name="metric vs Liger", rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss_type,level", [("dapo", "token"), ("grpo", "sequence"), ("cispo", "token"),
+                                             ("bnpo", "token")])  # fmt: skip
+@pytest.mark.parametrize("ratio_shape", ["token", "sequence"])
+@pytest.mark.parametrize("old_given", [True, False])
+def test_module_applies_vllm_is_ratio_as_liger_does(loss_type, level, ratio_shape, old_given):
+    """Liger multiplies the per-token loss by vllm_is_ratio ([B, L] or [B, 1]) before adding the KL term."""
+    x = make()
+    ratio = torch.rand(B, L if ratio_shape == "token" else 1) * 1.5 + 0.05
+    cfg = dict(beta=0.04, loss_type=loss_type, importance_sampling_level=level, temperature=0.9,
+               epsilon_high=5.0 if loss_type == "cispo" else 0.28)  # fmt: skip
+    outs = []
+    for module in (liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, **cfg), gk.FusedLinearGRPOLoss(**cfg)):
+        h, w, b = (x[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
+        loss, metrics = module(h, w, x["ids"], x["mask"], x["adv"], bias=b, ref_per_token_logps=x["ref"],
+                               old_per_token_logps=x["old"] if old_given else None, vllm_is_ratio=ratio)  # fmt: skip
+        loss.backward()
+        outs.append((loss, h.grad, w.grad, b.grad, metrics))
+    (l_loss, l_h, l_w, l_b, l_m), (loss, gh, gw, gb, m) = outs
+    for name, got, want in (("loss", loss, l_loss), ("hidden", gh, l_h), ("weight", gw, l_w), ("bias", gb, l_b)):
+        assert_close(got, want, name=f"{name} vs Liger", rtol=1e-4, atol=1e-6)
+    assert_close(m[0], l_m[0], name="kl vs Liger", rtol=1e-5, atol=1e-6)
+    if level == "token":
+        assert_close(m[1], l_m[1], name="clip vs Liger", rtol=1e-5, atol=1e-6)
+
+
+def test_module_refuses_a_vllm_is_ratio_it_cannot_apply():
+    x = make()
+    module = gk.FusedLinearGRPOLoss(beta=0.0)
+    for bad, match in ((torch.ones(B, L + 1), "must be \\[B, L\\] or \\[B, 1\\]"),
+                       (torch.full((B, L), float("nan")), "finite and >= 0"), (-torch.ones(B, 1), "finite and >= 0")):
+        with pytest.raises(ValueError, match=match):
+            module(x["hidden"], x["weight"], x["ids"], x["mask"], x["adv"], vllm_is_ratio=bad)

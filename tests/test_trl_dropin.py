@@ -174,6 +174,48 @@ def test_other_loss_options_and_batching_match_trl(model_dir, overrides):
     assert_same_training(model_dir, beta=0.04, **overrides)
 
 
+@pytest.mark.parametrize("overrides", [
+    dict(loss_type="dapo", top_entropy_quantile=0.5), dict(loss_type="grpo", top_entropy_quantile=0.2),
+    dict(loss_type="sapo", top_entropy_quantile=0.7, importance_sampling_level="sequence"),
+    dict(loss_type="dapo", off_policy_mask_threshold=0.05, num_iterations=2, steps=2, lr=2.0),
+    dict(loss_type="cispo", epsilon_high=3.0, top_entropy_quantile=0.5, off_policy_mask_threshold=0.05,
+         num_iterations=2, steps=2, lr=2.0),
+], ids=["entropy_mask-dapo", "entropy_mask-grpo", "entropy_mask-gspo_sapo", "off_policy_mask",
+        "both-cispo"])  # fmt: skip
+def test_entropy_and_off_policy_masks_match_trl(model_dir, overrides, monkeypatch):
+    """top_entropy_quantile (TRL zeroes the policy term of low-entropy tokens, normalizers unchanged) and
+    off_policy_mask_threshold (drops drifted negative-advantage sequences), with TRL's own mask functions.
+
+    The members of a group share their first token's distribution, so entropies tie, and a tie can sit exactly on
+    the quantile: then a 1e-7 difference between TRL's entropies and the fused pass's decides `>=` differently for
+    the whole tie. Both trainers therefore see entropies rounded to 1e-4 (TRL's function on them, in both)."""
+    monkeypatch.setattr(trl.GRPOTrainer, "get_high_entropy_mask", _rounded(trl.GRPOTrainer.get_high_entropy_mask))
+    assert_same_training(model_dir, beta=0.04, **overrides)
+
+
+def _rounded(get_high_entropy_mask):
+    def rounded(self, entropies, mask, threshold):
+        return get_high_entropy_mask(self, torch.round(entropies * 1e4) / 1e4, mask, threshold)
+
+    return rounded
+
+
+def test_masks_combine_with_the_vllm_ratio_as_trl(model_dir, monkeypatch):
+    monkeypatch.setattr(trl.GRPOTrainer, "get_high_entropy_mask", _rounded(trl.GRPOTrainer.get_high_entropy_mask))
+    kw = dict(loss_type="dapo", beta=0.04, num_iterations=2, vllm_importance_sampling_mode="token_truncate",
+              top_entropy_quantile=0.6, off_policy_mask_threshold=0.02)  # fmt: skip
+    fused, native = make_trainer(FusedGRPOTrainer, model_dir, **kw), make_trainer(trl.GRPOTrainer, model_dir, **kw)
+    inputs = shared_inputs(native)
+    old = inputs["old_per_token_logps"]
+    inputs["old_per_token_logps"] = old + 0.3 * torch.randn_like(old)
+    ratio = torch.rand(old.shape) * 2.5
+    ratio[ratio < 0.4] = 0.0
+    inputs["importance_sampling_ratio"] = ratio
+    for trainer in (fused, native):
+        trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    assert_same_loss_and_grads(loss_and_grads(fused, inputs), loss_and_grads(native, inputs))
+
+
 def test_mask_truncated_completions_matches_trl(model_dir):
     assert_same_training(model_dir, loss_type="dapo", beta=0.04, mask_truncated_completions=True)
 
@@ -276,9 +318,7 @@ def test_use_grpo_kernels_swaps_the_instance_loss_only(model_dir):
 
 @pytest.mark.parametrize("overrides,named", [
     (dict(loss_type="vespo"), "loss_type='vespo'"), (dict(loss_type="luspo"), "loss_type='luspo'"),
-    (dict(top_entropy_quantile=0.5), "top_entropy_quantile"), (dict(entropy_coef=0.01), "entropy_coef"),
-    (dict(use_adaptive_entropy=True), "use_adaptive_entropy"),
-    (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
+    (dict(entropy_coef=0.01), "entropy_coef"), (dict(use_adaptive_entropy=True), "use_adaptive_entropy"),
 ])  # fmt: skip
 def test_unfused_config_options_raise_naming_the_option(model_dir, overrides, named):
     with pytest.raises(NotImplementedError, match=named.replace("(", r"\(")):

@@ -25,10 +25,14 @@ kl, entropy, clip_ratio/{low_mean,high_mean,region_mean,low_min,high_max} or cis
 low_min / high_max need per-token ratios: on-policy they are exactly 1; with old log-probs they cost one extra
 no-grad `fused_linear_logprobs` pass (one more [T, H] x [H, V] matmul).
 
+top_entropy_quantile < 1 and off_policy_mask_threshold (masks on the policy term, built by TRL's own functions from
+the current log-probs and entropies) cost one extra no-grad `fused_linear_logprobs` pass and travel as per-token
+weights through the same sampler-log-prob route as the vLLM ratio.
+
 What the fused loss does not compute raises NotImplementedError at construction, naming the option: loss_type
-"luspo" / "vespo", top_entropy_quantile < 1, entropy_coef / use_adaptive_entropy, off_policy_mask_threshold,
-an MoE router auxiliary loss (router_aux_loss_coef), a PEFT adapter on the LM head, DeepSpeed ZeRO-3,
-vision-language models, and logit soft-capping / scaling in the model config (see `hf.check_plain_head`).
+"luspo" / "vespo", entropy_coef / use_adaptive_entropy, an MoE router auxiliary loss (router_aux_loss_coef), a
+PEFT adapter on the LM head, DeepSpeed ZeRO-3, vision-language models, and logit soft-capping / scaling in the
+model config (see `hf.check_plain_head`).
 """
 
 import functools
@@ -75,20 +79,10 @@ def check_config(args=None, peft_config=None) -> None:
         raise NotImplementedError(
             f"loss_type={args.loss_type!r} is not fused by grpo_kernels (supported: {', '.join(FUSED_LOSSES)})"
         )
-    if args.top_entropy_quantile < 1.0:
-        raise NotImplementedError(
-            f"top_entropy_quantile={args.top_entropy_quantile}: entropy masking needs every token's entropy before "
-            "the loss, which the fused LM-head loss computes in the same pass"
-        )
     if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
         raise NotImplementedError(
             f"entropy_coef={args.entropy_coef} / use_adaptive_entropy={args.use_adaptive_entropy}: the entropy bonus "
             "needs the entropy's gradient, which the fused LM-head loss does not compute"
-        )
-    if args.off_policy_mask_threshold is not None:
-        raise NotImplementedError(
-            f"off_policy_mask_threshold={args.off_policy_mask_threshold}: off-policy sequence masking needs the "
-            "current log-probs before the loss, which the fused LM-head loss computes in the same pass"
         )
 
 
@@ -151,6 +145,33 @@ def _loss_options(trainer, inputs, old, mask) -> dict:
     )  # fmt: skip
 
 
+def _policy_term_weights(trainer, inputs, options, old, advantages, mask, h, w, b, ids):
+    """TRL's masks on the policy term, top_entropy_quantile (tokens below the batch's entropy quantile) and
+    off_policy_mask_threshold (negative-advantage sequences that drifted too far from the sampler): both multiply
+    the per-token policy loss (before the KL term, the normalizers unchanged), as TRL's vLLM ratio does, so they go
+    into the same sampler log-probs old - log(weight) (log 0 floored at -1e4, whose exp is 0). They need the current
+    log-probs and entropies first: one no-grad `fused_linear_logprobs` pass, whose log-probs are also the old ones
+    when TRL has none (its old = logps.detach()). The masks are TRL's own functions on them."""
+    with torch.no_grad():
+        logps, entropies = fused_linear_logprobs(h.detach(), w.detach(), ids, temperature=trainer.temperature,
+                                                 bias=None if b is None else b.detach(), return_entropy=True)
+    old = logps if old is None else old
+    options = dict(options)
+    log_w = torch.zeros_like(old) if options.get("sampler_logps") is None else old - options["sampler_logps"]
+    if trainer.top_entropy_quantile < 1.0:
+        keep = trainer.get_high_entropy_mask(entropies, mask, 1 - trainer.top_entropy_quantile)
+        log_w = log_w + torch.log(keep.float()).clamp(min=-1e4)
+    if trainer.off_policy_mask_threshold is not None:
+        a = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+        keep = trainer.get_off_policy_mask(advantages=a, per_token_logps=logps,
+                                           sampling_per_token_logps=inputs.get("sampling_per_token_logps", old),
+                                           mask=mask, off_policy_threshold=trainer.off_policy_mask_threshold)
+        log_w = log_w + torch.log(keep.float()).clamp(min=-1e4)
+    options.update(sampler_logps=old - log_w.clamp(min=-1e4), sampler_is_mode="token_truncate",
+                   sampler_is_cap=torch.finfo(torch.float32).max)  # fmt: skip
+    return old, options
+
+
 def _normalizer(trainer, inputs, mode):
     """What TRL divides the micro-batch loss by (dapo / cispo: the fused loss is their masked sum)."""
     accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
@@ -176,9 +197,13 @@ def _fused_compute_loss(self, model, inputs):
         if not torch.is_grad_enabled():  # eval: no gradient buffers
             h, w, b = (None if x is None else x.detach() for x in (h, w, b))
         with torch.autocast(h.device.type, enabled=False):
+            old_logps, opts = old, options
+            if self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None:
+                old_logps, opts = _policy_term_weights(self, inputs, options, old, advantages, mask, h, w, b,
+                                                       completion_ids)  # fmt: skip
             loss, metrics = fused_linear_grpo_loss(
-                h, w, completion_ids, advantages, bias=b, old_logps=old, temperature=self.temperature,
-                return_entropy=True, **options,
+                h, w, completion_ids, advantages, bias=b, old_logps=old_logps, temperature=self.temperature,
+                return_entropy=True, **opts,
             )  # fmt: skip
             logps = None
             if extremes:

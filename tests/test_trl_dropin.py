@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 V, MAX_LEN, EOS, PAD = 320, 8, 1, 0
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"]  # TRL 1.16's luspo / vespo are not fused
 LOSS_METRICS = {"kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio"}  # fmt: skip
+                "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio", "aux_loss"}  # fmt: skip
 PROMPTS = ["t5 t6 t7", "t8 t9", "t10 t11 t12 t13", "t14", "t15 t16", "t17 t18 t19"]
 
 
@@ -342,14 +342,29 @@ def test_logit_transforms_in_the_model_config_raise(model_dir, attr, value):
         make_trainer(FusedGRPOTrainer, model)
 
 
-def test_moe_router_aux_loss_raises():
-    config = transformers.Qwen2MoeConfig(vocab_size=V, hidden_size=32, intermediate_size=32,
-                                         moe_intermediate_size=16, shared_expert_intermediate_size=16,
-                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                         num_experts=2, num_experts_per_tok=1, pad_token_id=PAD, eos_token_id=EOS,
-                                         router_aux_loss_coef=0.01)  # fmt: skip
+def _moe_config():
+    return transformers.Qwen2MoeConfig(vocab_size=V, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+                                       shared_expert_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                       num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, pad_token_id=PAD,
+                                       eos_token_id=EOS, router_aux_loss_coef=0.05)  # fmt: skip
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(per_device_train_batch_size=4, gradient_accumulation_steps=2)],
+                         ids=["one_batch", "grad_accum"])  # fmt: skip
+def test_moe_router_aux_loss_matches_trl(tmp_path, overrides):
+    """router_aux_loss_coef > 0: the model's own load-balancing loss on its router logits, added (and logged as
+    aux_loss) as TRL adds it."""
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(_moe_config()).save_pretrained(tmp_path)
+    logs = assert_same_training(str(tmp_path), loss_type="dapo", beta=0.0, **overrides)
+    assert all(entry["aux_loss"] > 0 for entry in logs)
+
+
+def test_moe_router_aux_loss_raises_for_a_model_that_computes_it_otherwise():
+    model = transformers.AutoModelForCausalLM.from_config(_moe_config())
+    del model.num_experts_per_tok
     with pytest.raises(NotImplementedError, match="router_aux_loss_coef"):
-        make_trainer(FusedGRPOTrainer, transformers.AutoModelForCausalLM.from_config(config))
+        make_trainer(FusedGRPOTrainer, model)
 
 
 def test_deepspeed_zero3_and_vision_language_models_raise(model_dir):

@@ -29,8 +29,11 @@ top_entropy_quantile < 1 and off_policy_mask_threshold (masks on the policy term
 the current log-probs and entropies) cost one extra no-grad `fused_linear_logprobs` pass and travel as per-token
 weights through the same sampler-log-prob route as the vLLM ratio.
 
+An MoE model's load-balancing loss (router_aux_loss_coef) is the model's own function on its router logits, added
+as TRL adds it.
+
 What the fused loss does not compute raises NotImplementedError at construction, naming the option: loss_type
-"luspo" / "vespo", entropy_coef / use_adaptive_entropy, an MoE router auxiliary loss (router_aux_loss_coef), a
+"luspo" / "vespo", entropy_coef / use_adaptive_entropy, a router auxiliary loss the model computes otherwise, a
 PEFT adapter on the LM head, DeepSpeed ZeRO-3, vision-language models, and logit soft-capping / scaling in the
 model config (see `hf.check_plain_head`).
 """
@@ -89,11 +92,6 @@ def check_config(args=None, peft_config=None) -> None:
 def _enable(trainer) -> None:
     """The checks that need the built trainer, then the forward wrapper on the (unwrapped) policy model."""
     check_config(trainer.args)
-    if trainer.aux_loss_enabled:
-        raise NotImplementedError(
-            f"router_aux_loss_coef={trainer.router_aux_loss_coef}: the MoE load-balancing loss is not computed by "
-            "the fused path (set router_aux_loss_coef=0.0 to train without it)"
-        )
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
     if is_deepspeed_zero3_enabled():
@@ -104,6 +102,8 @@ def _enable(trainer) -> None:
     model = trainer.accelerator.unwrap_model(trainer.model)
     model = model.get_base_model() if is_peft_model(model) else model  # PEFT: the HF model inside
     check_plain_head(model)
+    if trainer.aux_loss_enabled:
+        _router_aux_loss_function(model, trainer.router_aux_loss_coef)  # raises when the model computes it otherwise
     if not getattr(model.forward, "_grpo_kernels", False):
         previous = model.forward
 
@@ -113,11 +113,30 @@ def _enable(trainer) -> None:
             if head is None:
                 return previous(*args, **kwargs)
             kwargs["use_cache"] = False
-            hidden = backbone(self)(*args, **kwargs).last_hidden_state
-            return head(hidden, *lm_head(self))
+            out = backbone(self)(*args, **kwargs)
+            result = head(out.last_hidden_state, *lm_head(self))
+            if not kwargs.get("output_router_logits"):
+                return result
+            aux = _router_aux_loss_function(self)(out.router_logits, self.num_experts, self.num_experts_per_tok,
+                                                  kwargs.get("attention_mask"))  # fmt: skip
+            return result, aux
 
         forward._grpo_kernels = True
         model.forward = types.MethodType(forward, model)
+
+
+def _router_aux_loss_function(model, coef=None):
+    """The MoE load-balancing loss as the model's own CausalLM forward computes it: its module's
+    `load_balancing_loss_func(router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)`
+    (Mixtral, Qwen2-MoE, ...); NotImplementedError naming router_aux_loss_coef for a model built otherwise."""
+    function = getattr(inspect.getmodule(type(model)), "load_balancing_loss_func", None)
+    if function is None or not all(hasattr(model, a) for a in ("num_experts", "num_experts_per_tok")):
+        raise NotImplementedError(
+            f"router_aux_loss_coef={coef}: {type(model).__name__} does not compute its load-balancing loss the way "
+            "the fused path reproduces it (load_balancing_loss_func, num_experts, num_experts_per_tok); set "
+            "router_aux_loss_coef=0.0 to train without it"
+        )
+    return function
 
 
 def _loss_options(trainer, inputs, old, mask) -> dict:
@@ -211,12 +230,18 @@ def _fused_compute_loss(self, model, inputs):
                                               bias=None if b is None else b.detach())  # fmt: skip
         return loss, metrics, logps
 
+    call = {_HEAD_KWARG: head, **({"output_router_logits": True} if self.aux_loss_enabled else {})}
     with self.accelerator.autocast():
-        loss, metrics, logps = model(input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
-                                     attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),
-                                     **{_HEAD_KWARG: head})  # fmt: skip
+        out = model(input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
+                    attention_mask=torch.cat([prompt_mask, completion_mask], dim=1), **call)  # fmt: skip
+    (loss, metrics, logps), aux = out if self.aux_loss_enabled else (out, None)
     _log_metrics(self, mode, metrics, mask, advantages, logps, old)
-    return loss / _normalizer(self, inputs, mode)
+    loss = loss / _normalizer(self, inputs, mode)
+    if aux is not None:  # TRL: the router's load-balancing loss, scaled for gradient accumulation only
+        loss = loss + self.router_aux_loss_coef * aux / (self.current_gradient_accumulation_steps
+                                                         if mode == "train" else 1.0)  # fmt: skip
+        self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux).mean().item())
+    return loss
 
 
 def _log_metrics(trainer, mode, metrics, mask, advantages, logps, old) -> None:

@@ -334,7 +334,8 @@ def test_peft_adapter_on_lm_head_raises(model_dir):
         make_trainer(FusedGRPOTrainer, model)
 
 
-@pytest.mark.parametrize("attr,value", [("final_logit_softcapping", 30.0), ("logit_scale", 0.5)])
+@pytest.mark.parametrize("attr,value", [("final_logit_softcapping", 30.0), ("logit_scale", 0.0),
+                                        ("logits_scaling", -2.0)])  # fmt: skip
 def test_logit_transforms_in_the_model_config_raise(model_dir, attr, value):
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     setattr(model.config, attr, value)
@@ -433,3 +434,26 @@ def test_loss_step_peak_memory_below_trl_at_32k_vocab():
         assert out.returncode == 0, out.stderr[-2000:]
         peaks[provider] = float(out.stdout.strip().splitlines()[-1])
     assert peaks["fused"] < peaks["trl"], peaks
+
+
+def _scaled_head_models():
+    """Models whose forward scales the logits: Cohere (x logit_scale) and Granite (/ logits_scaling)."""
+    common = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, pad_token_id=PAD, eos_token_id=EOS)  # fmt: skip
+    return {"cohere": transformers.CohereConfig(logit_scale=0.5, **common),
+            "granite": transformers.GraniteConfig(logits_scaling=4.0, tie_word_embeddings=False, **common)}
+
+
+@pytest.mark.parametrize("name", ["cohere", "granite"])
+def test_models_that_scale_their_logits_match_trl_and_their_own_logits(tmp_path, name):
+    """The scale is folded into the fused head's temperature: compute_logprobs equals the model's own logits,
+    and a training step equals TRL's (whose fused head applies the same scale)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_scaled_head_models()[name]).eval()
+    ids = torch.randint(2, V, (3, 9))
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, :-1]
+    got = compute_logprobs(model, ids, temperature=0.7)
+    assert_close(got, plain_logprobs(logits, ids[:, 1:], 0.7), name=f"{name} log-probs", rtol=1e-5, atol=1e-5)
+    model.save_pretrained(tmp_path)
+    assert_same_training(str(tmp_path), loss_type="dapo", beta=0.04, temperature=0.7)

@@ -18,11 +18,35 @@ import torch
 from ..fused_linear import fused_linear_logprobs
 from ..packing import PackedBatch
 
-__all__ = ["backbone", "check_plain_head", "compute_logprobs", "head_inputs", "lm_head"]
+__all__ = ["backbone", "check_plain_head", "compute_logprobs", "head_inputs", "lm_head", "logit_multiplier"]
 
 # Config attributes through which some architectures transform the logits (Gemma 2 soft-capping; Cohere,
 # Granite, MiniCPM, Falcon-H1, ... scaling): the fused head computes plain h W^T + b.
 _LOGIT_SCALES = ("logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier")
+
+
+def logit_multiplier(config) -> float:
+    """The factor a model's forward multiplies its logits by, from the (text) config: `logit_scale` (Cohere),
+    `output_multiplier`, `lm_head_multiplier` (Falcon-H1), or 1 / `logits_scaling` (Granite, MiniCPM3; HyperCLOVA X
+    multiplies by it); 1.0 when none is set. The fused head folds it into the temperature: log_softmax(s z / T) is
+    log_softmax(z / (T / s))."""
+    config = config.get_text_config()
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        value = getattr(config, name, None)
+        if value is not None:
+            return _positive(name, value)
+    value = getattr(config, "logits_scaling", None)
+    if value is None:
+        return 1.0
+    value = _positive("logits_scaling", value)
+    return value if config.model_type == "hyperclovax" else 1.0 / value
+
+
+def _positive(name, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise NotImplementedError(f"the model config sets {name}={value!r}: the fused LM head folds a logit scale "
+                                  "into the temperature, which needs a finite scale > 0")  # fmt: skip
+    return float(value)
 
 
 def check_plain_head(model) -> None:
@@ -32,12 +56,13 @@ def check_plain_head(model) -> None:
         raise NotImplementedError(
             f"{type(model).__name__} is a vision-language model: grpo_kernels runs text-only causal LMs"
         )
-    for name in ("final_logit_softcapping", *_LOGIT_SCALES):
-        value = getattr(config, name, None)
-        if value is not None and (value != 1.0 or name == "final_logit_softcapping"):
-            raise NotImplementedError(
-                f"the model config sets {name}={value!r}: grpo_kernels' fused LM head computes plain logits h W^T + b"
-            )
+    value = getattr(config, "final_logit_softcapping", None)
+    if value is not None:
+        raise NotImplementedError(
+            f"the model config sets final_logit_softcapping={value!r}: grpo_kernels' fused LM head computes logits "
+            "h W^T + b (times a logit scale), without soft-capping"
+        )
+    logit_multiplier(config)  # raises on a scale it cannot fold
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         raise NotImplementedError(
@@ -129,5 +154,5 @@ def compute_logprobs(model, input_ids: torch.Tensor | None, *, attention_mask: t
         ids = input_ids[:, length - keep :]
     hidden, weight, bias = head_inputs(hidden, weight, bias)
     with torch.autocast(hidden.device.type, enabled=False):
-        return fused_linear_logprobs(hidden, weight, ids, bias=bias, temperature=temperature,
-                                     chunk_tokens=chunk_tokens)  # fmt: skip
+        return fused_linear_logprobs(hidden, weight, ids, bias=bias, chunk_tokens=chunk_tokens,
+                                     temperature=temperature / logit_multiplier(model.config))  # fmt: skip

@@ -35,7 +35,8 @@ as TRL adds it.
 What the fused loss does not compute raises NotImplementedError at construction, naming the option: loss_type
 "luspo" / "vespo", entropy_coef / use_adaptive_entropy, a router auxiliary loss the model computes otherwise, a
 PEFT adapter on the LM head, DeepSpeed ZeRO-3, vision-language models, and logit soft-capping / scaling in the
-model config (see `hf.check_plain_head`).
+model config (see `hf.check_plain_head`); a logit scale (Cohere's logit_scale, Granite's logits_scaling, ...) is
+folded into the temperature.
 """
 
 import functools
@@ -50,7 +51,7 @@ from trl.trainer.utils import nanmax, nanmin
 
 from ..fused_linear import fused_linear_grpo_loss, fused_linear_logprobs
 from ..options import LossOptions
-from .hf import backbone, check_plain_head, head_inputs, lm_head
+from .hf import backbone, check_plain_head, head_inputs, lm_head, logit_multiplier
 
 __all__ = ["FusedGRPOTrainer", "check_config", "use_grpo_kernels"]
 
@@ -102,6 +103,8 @@ def _enable(trainer) -> None:
     model = trainer.accelerator.unwrap_model(trainer.model)
     model = model.get_base_model() if is_peft_model(model) else model  # PEFT: the HF model inside
     check_plain_head(model)
+    # A model that scales its logits (Cohere's logit_scale, ...): the fused head's temperature is T / scale.
+    trainer._grpo_kernels_temperature = trainer.temperature / logit_multiplier(model.config)
     if trainer.aux_loss_enabled:
         _router_aux_loss_function(model, trainer.router_aux_loss_coef)  # raises when the model computes it otherwise
     if not getattr(model.forward, "_grpo_kernels", False):
@@ -172,7 +175,8 @@ def _policy_term_weights(trainer, inputs, options, old, advantages, mask, h, w, 
     log-probs and entropies first: one no-grad `fused_linear_logprobs` pass, whose log-probs are also the old ones
     when TRL has none (its old = logps.detach()). The masks are TRL's own functions on them."""
     with torch.no_grad():
-        logps, entropies = fused_linear_logprobs(h.detach(), w.detach(), ids, temperature=trainer.temperature,
+        logps, entropies = fused_linear_logprobs(h.detach(), w.detach(), ids,
+                                                 temperature=trainer._grpo_kernels_temperature,
                                                  bias=None if b is None else b.detach(), return_entropy=True)
     old = logps if old is None else old
     options = dict(options)
@@ -221,12 +225,14 @@ def _fused_compute_loss(self, model, inputs):
                 old_logps, opts = _policy_term_weights(self, inputs, options, old, advantages, mask, h, w, b,
                                                        completion_ids)  # fmt: skip
             loss, metrics = fused_linear_grpo_loss(
-                h, w, completion_ids, advantages, bias=b, old_logps=old_logps, temperature=self.temperature,
+                h, w, completion_ids, advantages, bias=b, old_logps=old_logps,
+                temperature=self._grpo_kernels_temperature,
                 return_entropy=True, **opts,
             )  # fmt: skip
             logps = None
             if extremes:
-                logps = fused_linear_logprobs(h.detach(), w.detach(), completion_ids, temperature=self.temperature,
+                logps = fused_linear_logprobs(h.detach(), w.detach(), completion_ids,
+                                              temperature=self._grpo_kernels_temperature,
                                               bias=None if b is None else b.detach())  # fmt: skip
         return loss, metrics, logps
 

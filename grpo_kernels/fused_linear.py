@@ -343,11 +343,12 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     """Drop-in for `liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss`: the same constructor and forward argument
     names and the same return value, `(loss, [kl (beta != 0)], clip_ratio)` as `(loss, metrics_list)`.
 
-    The metrics follow TRL: at sequence level the clip ratio is a mean over sequences (Liger weights it by
-    tokens). As in Liger, the kl slot is there whenever beta != 0 (0 with use_ref_model=False), and the reference
-    log-probs come from `ref_per_token_logps`, else from `ref_input`/`ref_weight`/`ref_bias` (computed chunk by chunk,
-    no [T, V] logits), which are ignored otherwise. `compiled` and `chunk_size` are accepted for compatibility (the
-    chunk is sized by `chunk_tokens`); as in Liger, dapo/cispo divide `num_items_in_batch` by the world size.
+    The metrics are Liger's: at sequence level each sequence's clip flag counts once per token (one more no-grad
+    pass; `fused_linear_grpo_loss`, as TRL, averages over sequences). As in Liger, the kl slot is there whenever
+    beta != 0 (0 with use_ref_model=False), and the reference log-probs come from `ref_per_token_logps`, else from
+    `ref_input`/`ref_weight`/`ref_bias` (computed chunk by chunk, no [T, V] logits), which are ignored otherwise.
+    `compiled` and `chunk_size` are accepted for compatibility (the chunk is sized by `chunk_tokens`); as in Liger,
+    dapo/cispo divide `num_items_in_batch` by the world size.
     `vllm_is_ratio` multiplies the per-token loss before the KL term, as Liger's (run as the sampler correction).
     The "luspo"/"vespo" loss types raise NotImplementedError. The loss options are held (and checked) as a
     `LossOptions`, `self.options`.
@@ -399,8 +400,28 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         clip = metrics.get("clip_ratio/region_mean", metrics.get("cispo_clip_ratio"))
         if self.options.loss_type == "sapo":  # Liger reports no clipping for SAPO's soft gate
             clip = torch.zeros_like(clip)
+        elif self.options.importance_sampling_level == "sequence":
+            clip = self._sequence_clip_ratio(old_per_token_logps, _input, lin_weight, bias, selected_token_ids,
+                                             attention_mask, advantages, clip)  # fmt: skip
         kl = metrics["kl"] if beta else torch.zeros((), dtype=clip.dtype, device=clip.device)
         return loss, ([kl] if self.kl_slot else []) + [clip]
+
+    def _sequence_clip_ratio(self, old, hidden, weight, bias, ids, mask, advantages, like):
+        """Liger's sequence-level clip ratio: each sequence's clip flag counted once per token (the fused loss, as TRL,
+        averages the flags over sequences). Its ratio needs the current log-probs: one more no-grad pass (none
+        on-policy, where no sequence clips)."""
+        if old is None:
+            return torch.zeros_like(like)
+        logps = fused_linear_logprobs(hidden.detach(), weight.detach(), ids, temperature=self.temperature,
+                                      bias=None if bias is None else bias.detach(), chunk_tokens=self.chunk_tokens)
+        m = torch.ones_like(logps) if mask is None else mask.to(logps.dtype)
+        coef = torch.exp(((logps - old.float()) * m).sum(-1) / m.sum(-1).clamp(min=1.0))
+        o, a = self.options, advantages.to(logps.dtype)
+        if o.loss_type == "cispo":
+            clipped = (coef > o.epsilon_high) & (a > 0)
+        else:
+            clipped = ((coef < 1 - o.epsilon_low) & (a < 0)) | ((coef > 1 + o.epsilon_high) & (a > 0))
+        return ((clipped.to(m.dtype)[:, None] * m).sum() / m.sum().clamp(min=1.0)).to(like.dtype)
 
     def _ratio_as_sampler_logps(self, ratio, old, hidden, weight, bias, ids):
         """Liger's vllm_is_ratio ([B, L] or [B, 1] weights) as the sampler correction of the fused loss: sampler

@@ -190,9 +190,7 @@ def test_module_matches_liger_chunked_loss(loss_type, level, beta):
     for name, got, want in (("loss", loss, l_loss), ("hidden", gh, l_h), ("weight", gw, l_w), ("bias", gb, l_b)):
         assert_close(got, want, name=f"{name} vs Liger", rtol=1e-4, atol=1e-6)
     assert len(m) == len(l_m)
-    if level == "sequence":  # Liger weights the per-sequence clip flags by tokens; TRL (and we) average sequences
-        m, l_m = m[:-1], l_m[:-1]
-    for got, want in zip(m, l_m, strict=True):
+    for got, want in zip(m, l_m, strict=True):  # at sequence level: Liger's token-weighted clip ratio
         assert_close(got, want, name="metric vs Liger", rtol=1e-5, atol=1e-6)
 
 
@@ -258,8 +256,7 @@ def test_module_applies_vllm_is_ratio_as_liger_does(loss_type, level, ratio_shap
     for name, got, want in (("loss", loss, l_loss), ("hidden", gh, l_h), ("weight", gw, l_w), ("bias", gb, l_b)):
         assert_close(got, want, name=f"{name} vs Liger", rtol=1e-4, atol=1e-6)
     assert_close(m[0], l_m[0], name="kl vs Liger", rtol=1e-5, atol=1e-6)
-    if level == "token":
-        assert_close(m[1], l_m[1], name="clip vs Liger", rtol=1e-5, atol=1e-6)
+    assert_close(m[1], l_m[1], name="clip vs Liger", rtol=1e-5, atol=1e-6)
 
 
 def test_module_refuses_a_vllm_is_ratio_it_cannot_apply():
@@ -269,3 +266,19 @@ def test_module_refuses_a_vllm_is_ratio_it_cannot_apply():
                        (torch.full((B, L), float("nan")), "finite and >= 0"), (-torch.ones(B, 1), "finite and >= 0")):
         with pytest.raises(ValueError, match=match):
             module(x["hidden"], x["weight"], x["ids"], x["mask"], x["adv"], vllm_is_ratio=bad)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "bnpo"])  # Liger refuses cispo at sequence level
+def test_module_sequence_clip_ratio_counts_tokens_as_liger(loss_type):
+    """Unequal lengths, one of two non-empty sequences clipped: Liger's ratio is its share of the tokens (L / (L + 4)),
+    not of the sequences; the module reports Liger's."""
+    x = make()
+    now = gk.fused_linear_logprobs(x["hidden"], x["weight"], x["ids"], bias=x["bias"], temperature=0.9)
+    old = now + torch.tensor([[-1.0], [0.0], [0.0]])  # sequence 0 (length L): ratio e; sequence 1: ratio 1
+    adv = torch.tensor([1.0, 1.0, -1.0])
+    cfg = dict(beta=0.0, loss_type=loss_type, importance_sampling_level="sequence", temperature=0.9,
+               use_ref_model=False)  # fmt: skip
+    got = [module(x["hidden"], x["weight"], x["ids"], x["mask"], adv, bias=x["bias"], old_per_token_logps=old)[1][0]
+           for module in (liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, **cfg), gk.FusedLinearGRPOLoss(**cfg))]
+    assert_close(got[1], got[0], name="sequence-level clip ratio vs Liger", rtol=1e-6, atol=1e-7)
+    assert float(got[1]) == pytest.approx(L / (L + 4))

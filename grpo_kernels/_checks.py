@@ -58,6 +58,13 @@ def check_flag(name: str, value) -> None:
         raise ValueError(f"{name} must be a bool, got {value!r}")
 
 
+def check_softcap(softcap) -> None:
+    """Final-logit soft-capping (c tanh(z / c)): None, or a finite float > 0."""
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not 0 < softcap < math.inf):  # fmt: skip
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
+
+
 def check_temperature(temperature) -> None:
     if (
         isinstance(temperature, bool)

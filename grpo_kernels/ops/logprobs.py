@@ -272,9 +272,13 @@ def row_logprobs(backend: str, logits, ids, temperature: float, return_entropy: 
     return _C.selective_logprobs(logits, ids, temperature, return_entropy)
 
 
-def row_dlogits_(backend: str, grad_logps, logits, ids, lse, temperature: float) -> None:
-    """Overwrite logits with d sum(grad_logps logps) / d logits (the fused LM head's in-place backward)."""
+def row_dlogits_(backend: str, grad_logps, logits, ids, lse, temperature: float, grad_entropy=None,
+                 entropy=None) -> None:
+    """Overwrite logits with d sum(grad_logps logps + grad_entropy entropy) / d logits (the fused LM head's in-place
+    backward; grad_entropy and the forward's entropy go together, or are both None)."""
+    if (grad_entropy is None) != (entropy is None):
+        raise ValueError("row_dlogits_: grad_entropy and entropy go together")
     if backend == "triton":
-        logprobs_bwd_triton(grad_logps, None, logits, ids, lse, None, temperature, True)
+        logprobs_bwd_triton(grad_logps, grad_entropy, logits, ids, lse, entropy, temperature, True)
     else:
-        _C.selective_logprobs_backward(grad_logps, None, logits, ids, lse, None, temperature, True)
+        _C.selective_logprobs_backward(grad_logps, grad_entropy, logits, ids, lse, entropy, temperature, True)

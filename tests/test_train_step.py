@@ -95,3 +95,28 @@ def test_the_step_reads_its_metrics_back_once_whatever_the_number_of_micro_batch
         counts[metrics["micro_batches"]] = len(reads)
     assert len(counts) == 3 and min(counts) == 1 and max(counts) >= 6, counts
     assert set(counts.values()) == {1}, counts
+
+
+@pytest.mark.parametrize("name", ["gemma2_softcap", "cohere_scale", "qwen2_head_bias"])
+def test_policy_log_probs_are_the_models_own_for_transformed_heads(name):
+    """The trainer's fused head computes what the model's forward does: Gemma 2's final-logit soft-cap, Cohere's
+    logit scale, and an LM head with a bias (each would be silently wrong if the head were taken as h W^T)."""
+    import transformers
+
+    common = dict(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=64)  # fmt: skip
+    config = {"gemma2_softcap": transformers.Gemma2Config(final_logit_softcapping=0.3, head_dim=16, **common),
+              "cohere_scale": transformers.CohereConfig(logit_scale=0.5, **common),
+              "qwen2_head_bias": transformers.Qwen2Config(**common)}[name]  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    if name == "qwen2_head_bias":
+        head = torch.nn.Linear(32, 61, bias=True)
+        torch.nn.init.normal_(head.bias, std=1.0)
+        model.lm_head = head
+    prompt, completion = torch.randint(0, 61, (5,)), torch.randint(0, 61, (7,))
+    packed = pack_sequences([prompt], [completion])
+    got = completion_logprobs(model, packed, temperature=0.7)
+    with torch.no_grad():
+        logits = model(input_ids=torch.cat([prompt, completion])[None]).logits[0, 4:-1]
+    want = torch.log_softmax(logits.double() / 0.7, -1).gather(-1, completion[:, None])[:, 0]
+    assert (got.double() - want).abs().max() < 1e-5

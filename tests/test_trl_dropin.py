@@ -30,6 +30,7 @@ trl = pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
+import grpo_kernels as gk  # noqa: E402
 from grpo_kernels.attention import register_hf_attention  # noqa: E402
 from grpo_kernels.integrations import FusedGRPOTrainer, compute_logprobs, use_grpo_kernels  # noqa: E402
 from grpo_kernels.integrations.hf import check_plain_head  # noqa: E402
@@ -39,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 V, MAX_LEN, EOS, PAD = 320, 8, 1, 0
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"]  # TRL 1.16's luspo / vespo are not fused
 LOSS_METRICS = {"kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio", "aux_loss"}  # fmt: skip
+                "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio", "aux_loss", "policy_loss",
+                "entropy_coef"}  # fmt: skip
 PROMPTS = ["t5 t6 t7", "t8 t9", "t10 t11 t12 t13", "t14", "t15 t16", "t17 t18 t19"]
 
 
@@ -318,7 +320,6 @@ def test_use_grpo_kernels_swaps_the_instance_loss_only(model_dir):
 
 @pytest.mark.parametrize("overrides,named", [
     (dict(loss_type="vespo"), "loss_type='vespo'"), (dict(loss_type="luspo"), "loss_type='luspo'"),
-    (dict(entropy_coef=0.01), "entropy_coef"), (dict(use_adaptive_entropy=True), "use_adaptive_entropy"),
 ])  # fmt: skip
 def test_unfused_config_options_raise_naming_the_option(model_dir, overrides, named):
     with pytest.raises(NotImplementedError, match=named.replace("(", r"\(")):
@@ -334,13 +335,47 @@ def test_peft_adapter_on_lm_head_raises(model_dir):
         make_trainer(FusedGRPOTrainer, model)
 
 
-@pytest.mark.parametrize("attr,value", [("final_logit_softcapping", 30.0), ("logit_scale", 0.0),
+@pytest.mark.parametrize("attr,value", [("final_logit_softcapping", 0.0), ("logit_scale", 0.0),
                                         ("logits_scaling", -2.0)])  # fmt: skip
 def test_logit_transforms_in_the_model_config_raise(model_dir, attr, value):
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     setattr(model.config, attr, value)
     with pytest.raises(NotImplementedError, match=attr):
         make_trainer(FusedGRPOTrainer, model)
+
+
+def test_softcap_after_a_logit_scale_folds_into_cap_and_temperature():
+    """Scale s, then cap c (TRL's distillation order), then temperature T: c tanh(s z / c) / T is the fused head with
+    softcap c / s at temperature T / s."""
+    from grpo_kernels.integrations.hf import logit_multiplier, logit_softcap
+
+    config = transformers.CohereConfig(logit_scale=0.25, final_logit_softcapping=0.6)
+    s, c = logit_multiplier(config), logit_softcap(config)
+    h, w, ids = torch.randn(5, 8), torch.randn(V, 8), torch.randint(0, V, (5,))
+    logits = 0.6 * torch.tanh(0.25 * (h @ w.T).double() / 0.6) / 0.7
+    want = torch.log_softmax(logits, -1).gather(-1, ids[:, None])[:, 0]
+    got = gk.fused_linear_logprobs(h, w, ids, temperature=0.7 / s, softcap=c)
+    assert_close(got.double(), want, name="scaled and capped log-probs", rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(loss_type="grpo", entropy_coef=0.05), dict(loss_type="dapo", entropy_coef=-0.1),
+    dict(loss_type="sapo", entropy_coef=0.05, importance_sampling_level="sequence"),
+    dict(loss_type="cispo", entropy_coef=0.05, top_entropy_quantile=0.5),
+    dict(loss_type="dapo", entropy_coef=0.02, use_adaptive_entropy=True, entropy_target=100.0, steps=2,
+         per_device_train_batch_size=4, gradient_accumulation_steps=2),
+    dict(loss_type="grpo", entropy_coef=0.3, use_adaptive_entropy=True, entropy_target=0.0, entropy_coef_min=0.1,
+         entropy_coef_delta=0.05, steps=2),
+], ids=["grpo", "dapo-negative", "gspo_sapo", "cispo-entropy_mask", "adaptive-applied-grad_accum",
+        "adaptive-gated"])  # fmt: skip
+def test_entropy_bonus_matches_trl(model_dir, overrides, monkeypatch):
+    """entropy_coef (loss - coef x mean entropy over TRL's effective mask, gradient through the fused head) and the
+    adaptive controller: the same losses, update and logged policy_loss / entropy_coef as TRL."""
+    monkeypatch.setattr(trl.GRPOTrainer, "get_high_entropy_mask", _rounded(trl.GRPOTrainer.get_high_entropy_mask))
+    logs = assert_same_training(model_dir, beta=0.04, **overrides)
+    assert all("policy_loss" in entry for entry in logs)
+    if overrides.get("use_adaptive_entropy"):
+        assert len({entry["entropy_coef"] for entry in logs}) == 2  # the controller moved the coefficient
 
 
 def _moe_config():
@@ -441,13 +476,15 @@ def _scaled_head_models():
     common = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, pad_token_id=PAD, eos_token_id=EOS)  # fmt: skip
     return {"cohere": transformers.CohereConfig(logit_scale=0.5, **common),
-            "granite": transformers.GraniteConfig(logits_scaling=4.0, tie_word_embeddings=False, **common)}
+            "granite": transformers.GraniteConfig(logits_scaling=4.0, tie_word_embeddings=False, **common),
+            # a cap small enough to bend this tiny model's logits (|z| ~ 0.5): tanh is far from linear there
+            "gemma2": transformers.Gemma2Config(final_logit_softcapping=0.3, head_dim=16, **common)}
 
 
-@pytest.mark.parametrize("name", ["cohere", "granite"])
+@pytest.mark.parametrize("name", ["cohere", "granite", "gemma2"])
 def test_models_that_scale_their_logits_match_trl_and_their_own_logits(tmp_path, name):
-    """The scale is folded into the fused head's temperature: compute_logprobs equals the model's own logits,
-    and a training step equals TRL's (whose fused head applies the same scale)."""
+    """The scale is folded into the fused head's temperature, Gemma 2's soft-cap computed by the fused head:
+    compute_logprobs equals the model's own logits, and a training step equals TRL's (on the model's logits)."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(_scaled_head_models()[name]).eval()
     ids = torch.randint(2, V, (3, 9))

@@ -8,9 +8,10 @@ token i + 1, the same shift as `log_softmax(model(input_ids).logits[:, :-1]).gat
 
 `lm_head(model)` returns the head's weight and bias. Inside the model's forward FSDP has swapped in the unsharded
 parameters; a head still sharded as DTensors (FSDP2) is all-gathered with the differentiable
-`DTensor.full_tensor()`. It raises NotImplementedError where `log_softmax(h W^T + b)` is not the model's
-distribution or the head is not a plain linear layer: final-logit soft-capping, logit scaling (`logit_scale`,
-`logits_scaling`, ...), a PEFT adapter on the head, quantized heads.
+`DTensor.full_tensor()`. The head's logits are h W^T + b, soft-capped when the config sets
+`final_logit_softcapping` (Gemma 2: c tanh(z / c)), scaled when it sets a logit scale (Cohere's `logit_scale`,
+Granite's `logits_scaling`, ...: folded into the temperature). It raises NotImplementedError for anything else:
+a head that is not a plain linear layer (a PEFT adapter), quantized heads.
 """
 
 import torch
@@ -18,11 +19,8 @@ import torch
 from ..fused_linear import fused_linear_logprobs
 from ..packing import PackedBatch
 
-__all__ = ["backbone", "check_plain_head", "compute_logprobs", "head_inputs", "lm_head", "logit_multiplier"]
-
-# Config attributes through which some architectures transform the logits (Gemma 2 soft-capping; Cohere,
-# Granite, MiniCPM, Falcon-H1, ... scaling): the fused head computes plain h W^T + b.
-_LOGIT_SCALES = ("logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier")
+__all__ = ["backbone", "check_plain_head", "compute_logprobs", "head_inputs", "lm_head", "logit_multiplier",
+           "logit_softcap"]
 
 
 def logit_multiplier(config) -> float:
@@ -44,25 +42,31 @@ def logit_multiplier(config) -> float:
 
 def _positive(name, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise NotImplementedError(f"the model config sets {name}={value!r}: the fused LM head folds a logit scale "
-                                  "into the temperature, which needs a finite scale > 0")  # fmt: skip
+        raise NotImplementedError(f"the model config sets {name}={value!r}: the fused LM head needs a finite "
+                                  "value > 0 there")  # fmt: skip
     return float(value)
 
 
+def logit_softcap(config) -> float | None:
+    """The soft-cap the fused head applies to h W^T + b, or None: from the config's `final_logit_softcapping` c
+    (Gemma 2: logits c tanh(z / c)). With a logit scale s as well (applied first, as TRL's distillation trainer
+    does), c tanh(s z / c) = s (c / s) tanh(z / (c / s)): the cap becomes c / s and s goes into the temperature."""
+    value = getattr(config.get_text_config(), "final_logit_softcapping", None)
+    if value is None:
+        return None
+    return _positive("final_logit_softcapping", value) / logit_multiplier(config)
+
+
 def check_plain_head(model) -> None:
-    """Raise NotImplementedError unless the model's logits are `lm_head(h)` of an unadapted float nn.Linear."""
+    """Raise NotImplementedError unless the model's logits are `lm_head(h)` of an unadapted float nn.Linear, scaled
+    (`logit_multiplier`) or soft-capped (`logit_softcap`)."""
     config = model.config
     if config.get_text_config() is not config:
         raise NotImplementedError(
             f"{type(model).__name__} is a vision-language model: grpo_kernels runs text-only causal LMs"
         )
-    value = getattr(config, "final_logit_softcapping", None)
-    if value is not None:
-        raise NotImplementedError(
-            f"the model config sets final_logit_softcapping={value!r}: grpo_kernels' fused LM head computes logits "
-            "h W^T + b (times a logit scale), without soft-capping"
-        )
     logit_multiplier(config)  # raises on a scale it cannot fold
+    logit_softcap(config)
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         raise NotImplementedError(
@@ -155,4 +159,5 @@ def compute_logprobs(model, input_ids: torch.Tensor | None, *, attention_mask: t
     hidden, weight, bias = head_inputs(hidden, weight, bias)
     with torch.autocast(hidden.device.type, enabled=False):
         return fused_linear_logprobs(hidden, weight, ids, bias=bias, chunk_tokens=chunk_tokens,
-                                     temperature=temperature / logit_multiplier(model.config))  # fmt: skip
+                                     temperature=temperature / logit_multiplier(model.config),
+                                     softcap=logit_softcap(model.config))  # fmt: skip

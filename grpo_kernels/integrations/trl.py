@@ -30,13 +30,15 @@ the current log-probs and entropies) cost one extra no-grad `fused_linear_logpro
 weights through the same sampler-log-prob route as the vLLM ratio.
 
 An MoE model's load-balancing loss (router_aux_loss_coef) is the model's own function on its router logits, added
-as TRL adds it.
+as TRL adds it. The entropy bonus (entropy_coef, use_adaptive_entropy and its controller) is the fused loss's
+entropy_coef: the mean entropy over TRL's effective mask, its gradient computed in the same chunks, the coefficient
+rescaled so that the bonus survives the policy normalizer exactly as TRL applies it (policy_loss / entropy_coef
+logged as TRL does). A soft-capped head (Gemma 2's final_logit_softcapping) is computed by the fused head; a logit
+scale (Cohere's logit_scale, Granite's logits_scaling, ...) is folded into the temperature.
 
 What the fused loss does not compute raises NotImplementedError at construction, naming the option: loss_type
-"luspo" / "vespo", entropy_coef / use_adaptive_entropy, a router auxiliary loss the model computes otherwise, a
-PEFT adapter on the LM head, DeepSpeed ZeRO-3, vision-language models, and logit soft-capping / scaling in the
-model config (see `hf.check_plain_head`); a logit scale (Cohere's logit_scale, Granite's logits_scaling, ...) is
-folded into the temperature.
+"luspo" / "vespo", a router auxiliary loss the model computes otherwise, a PEFT adapter on the LM head, DeepSpeed
+ZeRO-3, vision-language models, a head that is not a plain linear layer (see `hf.check_plain_head`).
 """
 
 import functools
@@ -51,12 +53,13 @@ from trl.trainer.utils import nanmax, nanmin
 
 from ..fused_linear import fused_linear_grpo_loss, fused_linear_logprobs
 from ..options import LossOptions
-from .hf import backbone, check_plain_head, head_inputs, lm_head, logit_multiplier
+from .hf import backbone, check_plain_head, head_inputs, lm_head, logit_multiplier, logit_softcap
 
 __all__ = ["FusedGRPOTrainer", "check_config", "use_grpo_kernels"]
 
 CLIP_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo")
 FUSED_LOSSES = (*CLIP_LOSSES, "cispo", "sapo")
+TOKEN_SUM_LOSSES = ("dapo", "cispo")  # TRL divides their masked sum by num_items_in_batch (see _normalizer)
 _HEAD_KWARG = "grpo_kernels_head"
 
 
@@ -83,11 +86,6 @@ def check_config(args=None, peft_config=None) -> None:
         raise NotImplementedError(
             f"loss_type={args.loss_type!r} is not fused by grpo_kernels (supported: {', '.join(FUSED_LOSSES)})"
         )
-    if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
-        raise NotImplementedError(
-            f"entropy_coef={args.entropy_coef} / use_adaptive_entropy={args.use_adaptive_entropy}: the entropy bonus "
-            "needs the entropy's gradient, which the fused LM-head loss does not compute"
-        )
 
 
 def _enable(trainer) -> None:
@@ -105,6 +103,7 @@ def _enable(trainer) -> None:
     check_plain_head(model)
     # A model that scales its logits (Cohere's logit_scale, ...): the fused head's temperature is T / scale.
     trainer._grpo_kernels_temperature = trainer.temperature / logit_multiplier(model.config)
+    trainer._grpo_kernels_softcap = logit_softcap(model.config)  # Gemma 2: c tanh(z / c), computed by the fused head
     if trainer.aux_loss_enabled:
         _router_aux_loss_function(model, trainer.router_aux_loss_coef)  # raises when the model computes it otherwise
     if not getattr(model.forward, "_grpo_kernels", False):
@@ -162,7 +161,7 @@ def _loss_options(trainer, inputs, old, mask) -> dict:
         sampler_logps = old - log_ratio
     return dict(
         mask=mask, ref_logps=inputs["ref_per_token_logps"] if trainer.beta != 0.0 else None,
-        num_items_in_batch=1.0 if trainer.loss_type in ("dapo", "cispo") else None, sampler_logps=sampler_logps,
+        num_items_in_batch=1.0 if trainer.loss_type in TOKEN_SUM_LOSSES else None, sampler_logps=sampler_logps,
         **options.kwargs(),
     )  # fmt: skip
 
@@ -173,17 +172,22 @@ def _policy_term_weights(trainer, inputs, options, old, advantages, mask, h, w, 
     the per-token policy loss (before the KL term, the normalizers unchanged), as TRL's vLLM ratio does, so they go
     into the same sampler log-probs old - log(weight) (log 0 floored at -1e4, whose exp is 0). They need the current
     log-probs and entropies first: one no-grad `fused_linear_logprobs` pass, whose log-probs are also the old ones
-    when TRL has none (its old = logps.detach()). The masks are TRL's own functions on them."""
+    when TRL has none (its old = logps.detach()). The masks are TRL's own functions on them. Returns (old, options,
+    the entropy bonus's token mask: mask x the entropy mask, and the mean entropy over it; both None without
+    top_entropy_quantile)."""
     with torch.no_grad():
         logps, entropies = fused_linear_logprobs(h.detach(), w.detach(), ids,
                                                  temperature=trainer._grpo_kernels_temperature,
+                                                 softcap=trainer._grpo_kernels_softcap,
                                                  bias=None if b is None else b.detach(), return_entropy=True)
     old = logps if old is None else old
     options = dict(options)
     log_w = torch.zeros_like(old) if options.get("sampler_logps") is None else old - options["sampler_logps"]
+    entropy_mask = None
     if trainer.top_entropy_quantile < 1.0:
         keep = trainer.get_high_entropy_mask(entropies, mask, 1 - trainer.top_entropy_quantile)
         log_w = log_w + torch.log(keep.float()).clamp(min=-1e4)
+        entropy_mask = (mask * keep).float()
     if trainer.off_policy_mask_threshold is not None:
         a = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
         keep = trainer.get_off_policy_mask(advantages=a, per_token_logps=logps,
@@ -192,13 +196,15 @@ def _policy_term_weights(trainer, inputs, options, old, advantages, mask, h, w, 
         log_w = log_w + torch.log(keep.float()).clamp(min=-1e4)
     options.update(sampler_logps=old - log_w.clamp(min=-1e4), sampler_is_mode="token_truncate",
                    sampler_is_cap=torch.finfo(torch.float32).max)  # fmt: skip
-    return old, options
+    bonus_entropy = None if entropy_mask is None else (entropies * entropy_mask).sum() / entropy_mask.sum().clamp(
+        min=1.0)  # fmt: skip
+    return old, options, entropy_mask, bonus_entropy
 
 
 def _normalizer(trainer, inputs, mode):
     """What TRL divides the micro-batch loss by (dapo / cispo: the fused loss is their masked sum)."""
     accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
-    if trainer.loss_type in ("dapo", "cispo"):
+    if trainer.loss_type in TOKEN_SUM_LOSSES:
         normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
         return normalizer * accumulation / trainer.args.steps_per_generation if mode == "train" else normalizer
     return accumulation
@@ -214,26 +220,34 @@ def _fused_compute_loss(self, model, inputs):
     old, advantages = inputs.get("old_per_token_logps"), inputs["advantages"]
     options = _loss_options(self, inputs, old, mask)
     extremes = self.loss_type in CLIP_LOSSES and old is not None  # low_min / high_max need the current log-probs
+    normalizer = _normalizer(self, inputs, mode)
+    accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+    bonus = self._entropy_bonus_enabled
+    # TRL: loss / normalizer - coef * H / accumulation, H the mean entropy over the effective mask. The fused loss
+    # is divided by the normalizer below, so its coefficient is coef * normalizer / accumulation.
+    coef = float(_entropy_coef(self) * normalizer / accumulation) if bonus else 0.0
 
     def head(hidden, weight, bias):
         h, w, b = head_inputs(hidden[:, -keep - 1 : -1], weight, bias, fp32=self.args.cast_lm_head_to_fp32)
         if not torch.is_grad_enabled():  # eval: no gradient buffers
             h, w, b = (None if x is None else x.detach() for x in (h, w, b))
+        fused = dict(temperature=self._grpo_kernels_temperature, softcap=self._grpo_kernels_softcap)
         with torch.autocast(h.device.type, enabled=False):
-            old_logps, opts = old, options
+            old_logps, opts, entropy_mask, bonus_entropy = old, options, None, None
             if self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None:
-                old_logps, opts = _policy_term_weights(self, inputs, options, old, advantages, mask, h, w, b,
-                                                       completion_ids)  # fmt: skip
+                old_logps, opts, entropy_mask, bonus_entropy = _policy_term_weights(
+                    self, inputs, options, old, advantages, mask, h, w, b, completion_ids)  # fmt: skip
             loss, metrics = fused_linear_grpo_loss(
-                h, w, completion_ids, advantages, bias=b, old_logps=old_logps,
-                temperature=self._grpo_kernels_temperature,
-                return_entropy=True, **opts,
+                h, w, completion_ids, advantages, bias=b, old_logps=old_logps, return_entropy=True,
+                entropy_coef=coef, entropy_mask=entropy_mask, **fused, **opts,
             )  # fmt: skip
+            if bonus:  # the bonus's mean entropy and token count (TRL's effective mask)
+                metrics["bonus_entropy"] = metrics["entropy"] if entropy_mask is None else bonus_entropy
+                metrics["bonus_tokens"] = (mask if entropy_mask is None else entropy_mask).sum().float()
             logps = None
             if extremes:
                 logps = fused_linear_logprobs(h.detach(), w.detach(), completion_ids,
-                                              temperature=self._grpo_kernels_temperature,
-                                              bias=None if b is None else b.detach())  # fmt: skip
+                                              bias=None if b is None else b.detach(), **fused)  # fmt: skip
         return loss, metrics, logps
 
     call = {_HEAD_KWARG: head, **({"output_router_logits": True} if self.aux_loss_enabled else {})}
@@ -242,12 +256,49 @@ def _fused_compute_loss(self, model, inputs):
                     attention_mask=torch.cat([prompt_mask, completion_mask], dim=1), **call)  # fmt: skip
     (loss, metrics, logps), aux = out if self.aux_loss_enabled else (out, None)
     _log_metrics(self, mode, metrics, mask, advantages, logps, old)
-    loss = loss / _normalizer(self, inputs, mode)
+    if bonus:
+        _entropy_bonus_step(self, mode, loss.detach() + coef * metrics["bonus_entropy"], normalizer, metrics)
+    loss = loss / normalizer
     if aux is not None:  # TRL: the router's load-balancing loss, scaled for gradient accumulation only
         loss = loss + self.router_aux_loss_coef * aux / (self.current_gradient_accumulation_steps
                                                          if mode == "train" else 1.0)  # fmt: skip
         self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux).mean().item())
     return loss
+
+
+def _entropy_coef(trainer) -> float:
+    """The coefficient TRL applies this step: entropy_coef, or with adaptive control entropy_coef only while the last
+    window's entropy is at or below entropy_target (both from the end of the previous optimizer step)."""
+    if trainer.use_adaptive_entropy and trainer._last_world_entropy > trainer.args.entropy_target:
+        return 0.0
+    return trainer.entropy_coef
+
+
+def _entropy_bonus_step(trainer, mode, policy_loss, normalizer, metrics) -> None:
+    """TRL's bookkeeping of the entropy bonus: the policy_loss metric (before the bonus; divided by the normalizer
+    for the token-sum losses, as TRL logs it), and the adaptive controller (window sums of entropy and tokens over
+    the effective mask, reduced over processes at the optimizer step, coef moved by entropy_coef_delta within
+    [entropy_coef_min, entropy_coef_max]); entropy_coef logged at every train optimizer step."""
+    if trainer.loss_type in TOKEN_SUM_LOSSES:
+        policy_loss = policy_loss / normalizer
+    log = trainer._metrics[mode]
+    log["policy_loss"].append(trainer.accelerator.gather(policy_loss).nanmean().item())
+    args = trainer.args
+    if trainer.use_adaptive_entropy and mode == "train":
+        tokens = metrics["bonus_tokens"]
+        stats = torch.stack([metrics["bonus_entropy"] * tokens, tokens]).detach()
+        window = trainer._entropy_window_stats
+        trainer._entropy_window_stats = stats if window is None else window + stats
+        if trainer.accelerator.sync_gradients:
+            total = trainer.accelerator.reduce(trainer._entropy_window_stats, reduction="sum")
+            world = (total[0] / total[1].clamp(min=1.0)).item()
+            if world <= args.entropy_target:
+                trainer.entropy_coef = min(trainer.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+            else:
+                trainer.entropy_coef = max(trainer.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+            trainer._last_world_entropy, trainer._entropy_window_stats = world, None
+    if mode == "train" and trainer.accelerator.sync_gradients:
+        log["entropy_coef"].append(trainer.entropy_coef)
 
 
 def _log_metrics(trainer, mode, metrics, mask, advantages, logps, old) -> None:

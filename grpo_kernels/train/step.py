@@ -15,6 +15,7 @@ import time
 import torch
 
 from ..fused_linear import fused_linear_grpo_loss, fused_linear_logprobs
+from ..integrations.hf import check_plain_head, logit_multiplier, logit_softcap
 from ..packing import pack_sequences
 from ..planner import plan_micro_batches
 from .fsdp import SINGLE, Dist, all_reduce_max, all_reduce_sum
@@ -34,17 +35,21 @@ class Policy(torch.nn.Module):
         super().__init__()
         self.model = model
         self.compute_dtype = compute_dtype
+        check_plain_head(model)  # the head's logits: h W^T + b, scaled (into the temperature) or soft-capped
+        self.logit_scale, self.softcap = logit_multiplier(model.config), logit_softcap(model.config)
 
     def forward(self, inputs: dict, logit_rows: torch.Tensor, completion_ids: torch.Tensor,
                 advantages: torch.Tensor | None = None, *, temperature: float, **loss_options):  # fmt: skip
         """Per-token log-probs of completion_ids (advantages None), else (loss, metrics) of the fused loss."""
         h = self.model.base_model(**inputs).last_hidden_state[0][logit_rows]
-        head = self.model.get_output_embeddings().weight
-        dtype = self.compute_dtype or head.dtype
-        h, head = h.to(dtype), head.to(dtype)
+        lm_head = self.model.get_output_embeddings()
+        dtype = self.compute_dtype or lm_head.weight.dtype
+        h, head = h.to(dtype), lm_head.weight.to(dtype)
+        bias = None if lm_head.bias is None else lm_head.bias.to(dtype)
+        kw = dict(bias=bias, temperature=temperature / self.logit_scale, softcap=self.softcap)
         if advantages is None:
-            return fused_linear_logprobs(h, head, completion_ids, temperature=temperature)
-        return fused_linear_grpo_loss(h, head, completion_ids, advantages, temperature=temperature, **loss_options)
+            return fused_linear_logprobs(h, head, completion_ids, **kw)
+        return fused_linear_grpo_loss(h, head, completion_ids, advantages, **kw, **loss_options)
 
 
 def _run(policy, packed, advantages=None, **options):

@@ -7,17 +7,23 @@
 //       dl/dw = -A [w <= delta] or -A [1 - eps_low <= w <= 1 + eps_high] for the smaller term, their mean on a tie
 //   family 1 (cispo): l = -min(w, eps_high) A logp,  dl/dlogp (direct) = -min(w, eps_high) A
 //   family 2 (sapo):  l = -(4 / tau) sigmoid(tau (w - 1)) A, tau = tau_pos if A > 0 else tau_neg
-//   sampler: l, dl/dw, direct *= r; r = f(nan_to_num(m (old - sampler))) per token, or f(sum of it over the
+//   family 3 (vespo): l = -phi A logp, direct = -phi A, phi = phi_s(A >= 0) or phi_s(A < 0), the sequence's
+//       detached gamma weights exp(lam + k log v - lam v) (NaN / inf -> 0), log v = clamp(S, log 1e-8, 20),
+//       S = sum m clamp(logp - old, -20, 20) + sum over the sequence's positions of clamp(log r, log 1e-8, 20)
+//       (token sampler weight r; log r = min(d, log cap) or d / -inf above the cap); no sampler factor on l
+//   sampler (families 0-2): l, dl/dw, direct *= r; r = f(nan_to_num(m (old - sampler))) per token, or f(sum of it over the
 //       sequence) (modes >= 2); f(d) = min(exp d, cap) (truncate: modes 0, 2) or exp d [exp d <= cap] (mask)
 //   KL: k3 = exp(ref - logp) - (ref - logp) - 1, l += beta k3 k, k = w with bias_kl, else 1;
 //       direct += beta (1 - exp(ref - logp)) (no bias_kl), -beta (ref - logp) w (bias_kl, token level: the whole
 //       derivative), beta (1 - exp(ref - logp)) w (bias_kl, GSPO, then also dl/dw += beta k3)
 //   coef_t = m (dl/dw w + direct) (token level) or m direct (GSPO: the w_s part goes through b_s)
 //   stats_s = [sum m l, sum m, sum m dl/dw (GSPO), sum m [low], sum m [high], sum m [low or high], sum m w,
-//              sum m k3 k, sum m |logp - sampler| (NaN terms skipped), log_w_s (0 at token level)]
+//              sum m k3 k, sum m |logp - sampler| (NaN terms skipped), log_w_s (0 at token level), phi_s of
+//              adv_s (vespo with per-sequence advantages, else 0)]; vespo: sum m phi in the low column, no flags
 //   low/high: family 0: min(w, delta) < 1 - eps_low, A < 0 / > 1 + eps_high, A > 0; cispo: low = w > eps_high,
 //   A > 0, high never; sapo: as family 0 with w. Tokens with m == 0 write coef 0 and add exactly nothing
-//   (their inputs may be NaN/inf garbage).
+//   (their inputs may be NaN/inf garbage). vespo's coef is -phi A (+ the KL part) even where l is NaN: TRL's
+//   phi is 0 for a NaN sequence ratio, and its gradient -phi A.
 //   Non-finite values (as grpo_kernels.grpo_loss documents): a NaN in logp, old, A or (KL on) ref of a token with
 //   m != 0 makes its l and coef NaN (min / clamp propagate NaN, as torch's do). A ratio beyond fp32 (w = inf
 //   for log w > 88.72) times an exact zero (a clipped branch, A = 0, a zero dl/dw or sampler weight) is 0, as in
@@ -28,9 +34,10 @@
 // Design
 //   * Parallel over sequences (at::parallel_for, grain ~16k tokens). Each sequence is handled whole by one
 //     thread, its sums taken in a fixed order, so the result does not depend on the thread count (but a
-//     batch of one long packed sequence runs on one thread). Phase 1 (GSPO, or a sequence-level sampler
-//     mode) sums m (logp - old), m, nan_to_num(m (old - sampler)); phase 2 is the token loop writing coef
-//     and the nine sums. The per-sequence scalars (w_s, the sampler weight, log_w) are computed in fp64 from
+//     batch of one long packed sequence runs on one thread). Phase 1 (GSPO, a sequence-level sampler mode, or
+//     vespo) sums m (logp - old), m, nan_to_num(m (old - sampler)) and vespo's two sums; phase 2 is the token
+//     loop writing coef and the nine sums. The per-sequence scalars (w_s, the sampler weight, log_w, phi) are
+//     computed in fp64 from
 //     the fp64 sums; log_w is rounded to fp32 first (it is stored, and the backward uses exp of the stored
 //     value), w_s = exp of that.
 //   * Per token in fp32 (logps widened from bf16/fp16), as the Triton kernels; sums in fp64.
@@ -64,7 +71,8 @@
 
 namespace grpo::loss {
 
-constexpr int kKernelStats = 9, kStats = 10;
+constexpr int kKernelStats = 9, kStats = 11, kSeqSums = 5;
+constexpr float kLog1e8 = -18.420680743952367f;  // VESPO's floor on log ratios (TRL: log(1e-8))
 
 inline std::atomic<bool> simd_enabled{true};
 
@@ -73,8 +81,8 @@ inline bool simd() { return simd::cpu_has_avx512() && simd_enabled.load(std::mem
 // Inputs and options of one call (null pointer = input absent). Hyperparameters in fp32, as the kernels use them.
 struct Params {
   const float *old, *ref, *sampler, *adv, *mask;
-  bool adv_per_token, bias_kl, sampler_truncate, sampler_per_seq;
-  float lo, hi, delta, eps_high, beta, log_beta, cap, tau_pos, tau_neg;
+  bool adv_per_token, bias_kl, sampler_truncate, sampler_per_seq, vespo;
+  float lo, hi, delta, eps_high, beta, log_beta, cap, log_cap, tau_pos, tau_neg;
 };
 
 // Per-sequence scalars of phase 2.
@@ -83,6 +91,7 @@ struct Seq {
   float w;    // GSPO ratio exp(log_w)
   float is;   // sequence-level sampler weight
   float log_w;  // GSPO log ratio
+  float phi_pos, phi_neg;  // vespo's gamma weights for A >= 0 and A < 0
 };
 
 // exp(nan_to_num(d)), truncated at cap or zeroed above it (nan_to_num: NaN -> 0, +-inf -> +-FLT_MAX).
@@ -101,19 +110,40 @@ inline float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
 // x w, and 0 where x == 0 even for w = inf (a ratio beyond fp32 times an exact zero is 0, not NaN).
 inline float times_w(float x, float w) { return x == 0.f ? 0.f : x * w; }
 
+// vespo: log of the token sampler weight f(d) (d = nan_to_num'ed difference), floored at log 1e-8, capped at 20.
+inline float vespo_log_r(float d, const Params& p) {
+  const float lr = p.sampler_truncate ? std::min(d, p.log_cap) : (std::exp(d) > p.cap ? kLog1e8 : d);
+  return std::clamp(lr, kLog1e8, 20.f);
+}
+
+// vespo's gamma weight exp(lam + k log v - lam v), log v = clamp(S, log 1e-8, 20), in fp64; NaN / inf -> 0.
+inline float vespo_phi(double S, double k, double lam) {
+  const double lv = std::clamp(S, static_cast<double>(kLog1e8), 20.0);  // NaN stays NaN
+  const double phi = std::exp(lam + k * lv - lam * std::exp(lv));
+  return std::isfinite(phi) ? static_cast<float>(phi) : 0.f;
+}
+
 // ---- portable path -------------------------------------------------------------------------------------
 template <typename T>
-void seq_sums_portable(const T* x, const Params& p, int64_t t0, int64_t t1, double out[3]) {
-  double lr = 0, n = 0, is = 0;
+void seq_sums_portable(const T* x, const Params& p, int64_t t0, int64_t t1, double out[kSeqSums]) {
+  double lr = 0, n = 0, is = 0, v = 0, vis = 0;
   for (int64_t t = t0; t < t1; ++t) {
     const float m = p.mask ? p.mask[t] : 1.f;
-    if (m == 0.f) continue;
+    if (m == 0.f) {
+      if (p.vespo && p.sampler) vis += vespo_log_r(0.f, p);  // every position counts: d = 0 here
+      continue;
+    }
     const float lp = static_cast<float>(x[t]), old = p.old ? p.old[t] : lp;
     lr += (lp - old) * m;
     n += m;
-    if (p.sampler) is += nan_to_num((old - p.sampler[t]) * m);
+    if (p.sampler) {
+      const float d = nan_to_num((old - p.sampler[t]) * m);
+      is += d;
+      if (p.vespo) vis += vespo_log_r(d, p);
+    }
+    if (p.vespo) v += nan_min(nan_max(lp - old, -20.f), 20.f) * m;
   }
-  out[0] = lr, out[1] = n, out[2] = is;
+  out[0] = lr, out[1] = n, out[2] = is, out[3] = v, out[4] = vis;
 }
 
 template <typename T, int kLoss, bool kSeq>
@@ -128,7 +158,7 @@ void seq_portable(const T* x, const Params& p, const Seq& q, int64_t t0, int64_t
     const float lp = static_cast<float>(x[t]), old = p.old ? p.old[t] : lp;
     const float adv = p.adv_per_token ? p.adv[t] : q.adv;
     const float log_w = kSeq ? q.log_w : lp - old, w = kSeq ? q.w : std::exp(log_w);
-    float pol, dpol = 0.f, direct = 0.f;
+    float pol, dpol = 0.f, direct = 0.f, phi = 0.f;
     bool low, high = false;
     if constexpr (kLoss == 0) {
       const float wm = nan_min(w, p.delta), clipped = nan_min(nan_max(w, p.lo), p.hi);
@@ -143,7 +173,7 @@ void seq_portable(const T* x, const Params& p, const Seq& q, int64_t t0, int64_t
       pol = -cw * adv * lp;
       direct = -cw * adv;
       low = w > p.eps_high && adv > 0.f;
-    } else {
+    } else if constexpr (kLoss == 2) {
       const float tau = adv > 0.f ? p.tau_pos : p.tau_neg, z = tau * (w - 1.f);
       // sigmoid(z) and sigmoid(-z) from one exp(-|z|): sg (1 - sg) keeps its precision when sg rounds to 1
       const float e = std::exp(-std::fabs(z)), inv = 1.f / (1.f + e);
@@ -152,13 +182,20 @@ void seq_portable(const T* x, const Params& p, const Seq& q, int64_t t0, int64_t
       dpol = -4.f * adv * sg * sg_c;
       low = w < p.lo && adv < 0.f;
       high = w > p.hi && adv > 0.f;
+    } else {
+      phi = adv >= 0.f ? q.phi_pos : q.phi_neg;  // a NaN advantage takes the A < 0 pair, as TRL's where
+      direct = -phi * adv;
+      pol = direct * lp;
+      low = false;
     }
     if (p.sampler) {
       const float s = p.sampler[t];
-      const float r =
-          p.sampler_per_seq ? q.is : static_cast<float>(sampler_weight((old - s) * m, p.cap, p.sampler_truncate));
-      pol = r == 0.f && pol == pol ? 0.f : pol * r;  // a zeroed token adds 0, even if pol = inf
-      dpol *= r, direct *= r;
+      if constexpr (kLoss != 3) {  // vespo's sampler weights are in phi
+        const float r =
+            p.sampler_per_seq ? q.is : static_cast<float>(sampler_weight((old - s) * m, p.cap, p.sampler_truncate));
+        pol = r == 0.f && pol == pol ? 0.f : pol * r;  // a zeroed token adds 0, even if pol = inf
+        dpol *= r, direct *= r;
+      }
       const float diff = std::min(std::fabs(lp - s), FLT_MAX);  // nan_to_num: inf -> FLT_MAX
       if (diff == diff) acc[8] += m * diff;
     }
@@ -191,9 +228,10 @@ void seq_portable(const T* x, const Params& p, const Seq& q, int64_t t0, int64_t
     } else {
       c = m * (times_w(dpol, w) + direct);
     }
-    coef[t] = pol != pol ? pol : c;  // a NaN loss term has a NaN gradient
+    coef[t] = kLoss != 3 && pol != pol ? pol : c;  // a NaN loss term has a NaN gradient (vespo: -phi A)
     acc[0] += m * pol;
     acc[1] += m;
+    if constexpr (kLoss == 3) acc[3] += m * phi;
     if (low) acc[3] += m;
     if (high) acc[4] += m;
     if (low || high) acc[5] += m;
@@ -224,9 +262,11 @@ GRPO_AVX512 inline double lane_sum(const __m512d* a) {  // lanes 0..15 of a[0], 
 }
 
 template <typename T>
-GRPO_AVX512 void seq_sums_avx512(const T* x, const Params& p, int64_t t0, int64_t t1, double out[3]) {
+GRPO_AVX512 void seq_sums_avx512(const T* x, const Params& p, int64_t t0, int64_t t1, double out[kSeqSums]) {
   const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.f), big = _mm512_set1_ps(FLT_MAX);
-  __m512d acc[3][2];
+  const __m512 floor = _mm512_set1_ps(kLog1e8), twenty = _mm512_set1_ps(20.f), cap = _mm512_set1_ps(p.cap);
+  const __m512 log_cap = _mm512_set1_ps(p.log_cap);
+  __m512d acc[kSeqSums][2];
   for (auto& a : acc) a[0] = a[1] = _mm512_setzero_pd();
   for (int64_t j = t0; j < t1; j += 16) {
     const __mmask16 k = tail_mask(t1 - j);
@@ -238,10 +278,23 @@ GRPO_AVX512 void seq_sums_avx512(const T* x, const Params& p, int64_t t0, int64_
     if (p.sampler) {
       const __m512 d = _mm512_mul_ps(_mm512_sub_ps(old, _mm512_maskz_loadu_ps(k, p.sampler + j)), m);
       const __mmask16 ok = _mm512_mask_cmp_ps_mask(on, d, d, _CMP_ORD_Q);  // NaN -> 0, +-inf -> +-FLT_MAX
-      add_wide(acc[2], _mm512_maskz_min_ps(ok, big, _mm512_max_ps(_mm512_sub_ps(zero, big), d)));
+      const __m512 dc = _mm512_maskz_min_ps(ok, big, _mm512_max_ps(_mm512_sub_ps(zero, big), d));
+      add_wide(acc[2], dc);
+      if (p.vespo) {  // every position of the sequence (masked ones: d = 0); see vespo_log_r
+        __m512 lr;
+        if (p.sampler_truncate)
+          lr = _mm512_min_ps(dc, log_cap);
+        else
+          lr = _mm512_mask_mov_ps(dc, _mm512_cmp_ps_mask(exp_clamped(dc), cap, _CMP_GT_OQ), floor);
+        add_wide(acc[4], _mm512_maskz_mov_ps(k, _mm512_min_ps(twenty, _mm512_max_ps(floor, lr))));
+      }
+    }
+    if (p.vespo) {  // m clamp(logp - old, -20, 20), NaN kept (the possibly-NaN operand 2nd)
+      const __m512 c = _mm512_min_ps(twenty, _mm512_max_ps(_mm512_sub_ps(zero, twenty), _mm512_sub_ps(lp, old)));
+      add_wide(acc[3], _mm512_maskz_mul_ps(on, c, m));
     }
   }
-  for (int i = 0; i < 3; ++i) out[i] = lane_sum(acc[i]);
+  for (int i = 0; i < kSeqSums; ++i) out[i] = lane_sum(acc[i]);
 }
 
 template <typename T, int kLoss, bool kSeq>
@@ -253,6 +306,7 @@ GRPO_AVX512 void seq_avx512(const T* x, const Params& p, const Seq& q, int64_t t
   const __m512 cap = _mm512_set1_ps(p.cap), tau_pos = _mm512_set1_ps(p.tau_pos), tau_neg = _mm512_set1_ps(p.tau_neg);
   const __m512 adv_s = _mm512_set1_ps(q.adv), w_s = _mm512_set1_ps(q.w), is_s = _mm512_set1_ps(q.is);
   const __m512 lw_s = _mm512_set1_ps(q.log_w), log_beta = _mm512_set1_ps(p.log_beta);
+  const __m512 phi_pos = _mm512_set1_ps(q.phi_pos), phi_neg = _mm512_set1_ps(q.phi_neg);
   const __m512 inf = _mm512_set1_ps(INFINITY);
   const __m512 neg0 = _mm512_set1_ps(-0.f);
   __m512d wide[kKernelStats][2];
@@ -269,8 +323,8 @@ GRPO_AVX512 void seq_avx512(const T* x, const Params& p, const Seq& q, int64_t t
       const __m512 nadv = _mm512_xor_ps(adv, neg0);
       const __mmask16 pos = _mm512_cmp_ps_mask(adv, zero, _CMP_GT_OQ), neg = _mm512_cmp_ps_mask(adv, zero, _CMP_LT_OQ);
       const __m512 lw = kSeq ? lw_s : _mm512_sub_ps(lp, old), w = kSeq ? w_s : exp_clamped(lw);
-      __m512 pol, dpol = zero, direct = zero;
-      __mmask16 low, high = 0;
+      __m512 pol, dpol = zero, direct = zero, phi = zero;
+      __mmask16 low = 0, high = 0;
       // min_ps / max_ps return their 2nd operand when either is NaN: the operand that may be NaN goes 2nd, so
       // NaN propagates as in torch (a1 is NaN only when a2 is: A or w NaN).
       if constexpr (kLoss == 0) {
@@ -290,7 +344,7 @@ GRPO_AVX512 void seq_avx512(const T* x, const Params& p, const Seq& q, int64_t t
         direct = _mm512_mul_ps(cw, nadv);
         pol = _mm512_mul_ps(direct, lp);
         low = _mm512_mask_cmp_ps_mask(pos, w, eps_high, _CMP_GT_OQ);
-      } else {
+      } else if constexpr (kLoss == 2) {
         const __m512 tau = _mm512_mask_blend_ps(pos, tau_neg, tau_pos);
         const __m512 z = _mm512_mul_ps(tau, _mm512_sub_ps(w, one));
         // sigmoid(z) and sigmoid(-z) from one exp(-|z|) (see seq_portable)
@@ -302,21 +356,27 @@ GRPO_AVX512 void seq_avx512(const T* x, const Params& p, const Seq& q, int64_t t
         dpol = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(-4.f), adv), sg), sg_c);
         low = _mm512_mask_cmp_ps_mask(neg, w, lo, _CMP_LT_OQ);
         high = _mm512_mask_cmp_ps_mask(pos, w, hi, _CMP_GT_OQ);
+      } else {  // vespo: -phi A logp; a NaN advantage takes the A < 0 weight (GE_OQ is false for NaN)
+        phi = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(adv, zero, _CMP_GE_OQ), phi_neg, phi_pos);
+        direct = _mm512_mul_ps(phi, nadv);
+        pol = _mm512_mul_ps(direct, lp);
       }
       if (p.sampler) {
         const __m512 s = _mm512_maskz_loadu_ps(k, p.sampler + j);
-        __m512 r = is_s;
-        if (!p.sampler_per_seq) {
-          const __m512 d = _mm512_mul_ps(_mm512_sub_ps(old, s), m);
-          const __mmask16 ok = _mm512_cmp_ps_mask(d, d, _CMP_ORD_Q);  // nan_to_num
-          r = exp_clamped(_mm512_maskz_min_ps(ok, big, _mm512_max_ps(_mm512_sub_ps(zero, big), d)));
-          r = p.sampler_truncate ? _mm512_min_ps(r, cap)
-                                 : _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(r, cap, _CMP_LE_OQ), r);
+        if constexpr (kLoss != 3) {  // vespo's sampler weights are in phi
+          __m512 r = is_s;
+          if (!p.sampler_per_seq) {
+            const __m512 d = _mm512_mul_ps(_mm512_sub_ps(old, s), m);
+            const __mmask16 ok = _mm512_cmp_ps_mask(d, d, _CMP_ORD_Q);  // nan_to_num
+            r = exp_clamped(_mm512_maskz_min_ps(ok, big, _mm512_max_ps(_mm512_sub_ps(zero, big), d)));
+            r = p.sampler_truncate ? _mm512_min_ps(r, cap)
+                                   : _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(r, cap, _CMP_LE_OQ), r);
+          }
+          const __mmask16 zeroed =  // r == 0 zeroes the term, even pol = inf (NaN stays NaN)
+              _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(r, zero, _CMP_EQ_OQ), pol, pol, _CMP_ORD_Q);
+          pol = _mm512_mask_mov_ps(_mm512_mul_ps(pol, r), zeroed, zero);
+          dpol = _mm512_mul_ps(dpol, r), direct = _mm512_mul_ps(direct, r);
         }
-        const __mmask16 zeroed =  // r == 0 zeroes the term, even pol = inf (NaN stays NaN)
-            _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(r, zero, _CMP_EQ_OQ), pol, pol, _CMP_ORD_Q);
-        pol = _mm512_mask_mov_ps(_mm512_mul_ps(pol, r), zeroed, zero);
-        dpol = _mm512_mul_ps(dpol, r), direct = _mm512_mul_ps(direct, r);
         const __m512 raw = _mm512_abs_ps(_mm512_sub_ps(lp, s));
         const __mmask16 ok = _mm512_mask_cmp_ps_mask(on, raw, raw, _CMP_ORD_Q);  // NaN terms skipped
         const __m512 diff = _mm512_min_ps(raw, big);                              // inf -> FLT_MAX
@@ -353,10 +413,12 @@ GRPO_AVX512 void seq_avx512(const T* x, const Params& p, const Seq& q, int64_t t
       } else {
         c = _mm512_maskz_mul_ps(on, m, _mm512_add_ps(times_w(dpol, w), direct));
       }
-      c = _mm512_mask_mov_ps(c, _mm512_mask_cmp_ps_mask(on, pol, pol, _CMP_UNORD_Q), pol);  // NaN term: NaN grad
+      if constexpr (kLoss != 3)  // NaN term: NaN grad (vespo: -phi A)
+        c = _mm512_mask_mov_ps(c, _mm512_mask_cmp_ps_mask(on, pol, pol, _CMP_UNORD_Q), pol);
       _mm512_mask_storeu_ps(coef + j, k, c);
       acc[0] = _mm512_mask_add_ps(acc[0], on, acc[0], _mm512_mul_ps(m, pol));
       acc[1] = _mm512_add_ps(acc[1], m);
+      if constexpr (kLoss == 3) acc[3] = _mm512_mask_add_ps(acc[3], on, acc[3], _mm512_mul_ps(m, phi));
       acc[3] = _mm512_mask_add_ps(acc[3], on & low, acc[3], m);
       acc[4] = _mm512_mask_add_ps(acc[4], on & high, acc[4], m);
       acc[5] = _mm512_mask_add_ps(acc[5], on & (low | high), acc[5], m);
@@ -380,7 +442,8 @@ void dispatch(const at::Tensor& logps, int64_t family, bool seq_level, F&& f) {
     switch (family) {
       case 0: return level(tag, std::integral_constant<int, 0>{});
       case 1: return level(tag, std::integral_constant<int, 1>{});
-      default: return level(tag, std::integral_constant<int, 2>{});
+      case 2: return level(tag, std::integral_constant<int, 2>{});
+      default: return level(tag, std::integral_constant<int, 3>{});
     }
   };
   switch (logps.scalar_type()) {
@@ -422,11 +485,12 @@ std::tuple<at::Tensor, at::Tensor> grpo_loss_fwd(
     const at::Tensor& logps, const std::optional<at::Tensor>& old_logps, const std::optional<at::Tensor>& ref_logps,
     const std::optional<at::Tensor>& sampler_logps, const at::Tensor& advantages, bool adv_per_token,
     const std::optional<at::Tensor>& mask, const at::Tensor& cu_seqlens, int64_t loss_family, bool seq_level, int64_t sampler_mode, double eps_low,
-    double eps_high, double delta, double beta, bool bias_kl, double sampler_cap, double tau_pos, double tau_neg) {
+    double eps_high, double delta, double beta, bool bias_kl, double sampler_cap, double tau_pos, double tau_neg,
+    double vespo_k_pos, double vespo_lambda_pos, double vespo_k_neg, double vespo_lambda_neg) {
   constexpr const char* op = "grpo_loss_fwd";
   TORCH_CHECK(logps.device().is_cpu() && logps.dim() == 1 && logps.is_contiguous(), op,
               ": logps must be a contiguous 1-D CPU tensor [T], got ", logps.sizes());
-  TORCH_CHECK(loss_family >= 0 && loss_family <= 2, op, ": loss_family must be 0, 1 or 2, got ", loss_family);
+  TORCH_CHECK(loss_family >= 0 && loss_family <= 3, op, ": loss_family must be in 0..3, got ", loss_family);
   TORCH_CHECK(sampler_mode >= 0 && sampler_mode <= 3, op, ": sampler_mode must be in 0..3, got ", sampler_mode);
   const int64_t T = logps.size(0), B = check_cu(op, cu_seqlens, T);
   Params p{};
@@ -443,9 +507,10 @@ std::tuple<at::Tensor, at::Tensor> grpo_loss_fwd(
   p.lo = 1.f - static_cast<float>(eps_low), p.hi = 1.f + static_cast<float>(eps_high);
   p.delta = static_cast<float>(delta), p.eps_high = static_cast<float>(eps_high), p.beta = static_cast<float>(beta);
   p.log_beta = std::log(p.beta);  // -inf for beta = 0: the KL term is then 0 (ref_logps goes with beta > 0)
-  p.cap = static_cast<float>(sampler_cap);
+  p.cap = static_cast<float>(sampler_cap), p.log_cap = std::log(p.cap);
+  p.vespo = loss_family == 3;
   p.tau_pos = static_cast<float>(tau_pos), p.tau_neg = static_cast<float>(tau_neg);
-  const bool pre = seq_level || p.sampler_per_seq, vec = simd();
+  const bool pre = seq_level || p.sampler_per_seq || p.vespo, vec = simd();
   const auto f32 = logps.options().dtype(at::kFloat);
   at::Tensor stats = at::empty({B, kStats}, f32), coef = at::empty({T}, f32);
   float *st = stats.data_ptr<float>(), *cf = coef.data_ptr<float>();
@@ -458,10 +523,10 @@ std::tuple<at::Tensor, at::Tensor> grpo_loss_fwd(
     at::parallel_for(0, B, grain(B, T, 16384), [&](int64_t s0, int64_t s1) {
       for (int64_t s = s0; s < s1; ++s) {
         const int64_t t0 = cu[s], t1 = cu[s + 1];
-        Seq q{p.adv_per_token ? 0.f : p.adv[s], 1.f, 1.f, 0.f};
+        Seq q{p.adv_per_token ? 0.f : p.adv[s], 1.f, 1.f, 0.f, 1.f, 1.f};
         float log_w = 0.f;
         if (pre) {
-          double sums[3];
+          double sums[kSeqSums];
 #ifdef GRPO_HAVE_AVX512
           if (vec)
             seq_sums_avx512<T_>(x, p, t0, t1, sums);
@@ -474,6 +539,10 @@ std::tuple<at::Tensor, at::Tensor> grpo_loss_fwd(
             q.log_w = log_w;
           }
           if (p.sampler_per_seq) q.is = static_cast<float>(sampler_weight(sums[2], sampler_cap, p.sampler_truncate));
+          if (p.vespo) {
+            q.phi_pos = vespo_phi(sums[3] + sums[4], vespo_k_pos, vespo_lambda_pos);
+            q.phi_neg = vespo_phi(sums[3] + sums[4], vespo_k_neg, vespo_lambda_neg);
+          }
         }
         double acc[kKernelStats];
 #ifdef GRPO_HAVE_AVX512
@@ -485,6 +554,7 @@ std::tuple<at::Tensor, at::Tensor> grpo_loss_fwd(
         float* row = st + s * kStats;
         for (int i = 0; i < kKernelStats; ++i) row[i] = static_cast<float>(acc[i]);
         row[kKernelStats] = log_w;
+        row[kKernelStats + 1] = p.vespo && !p.adv_per_token ? (q.adv >= 0.f ? q.phi_pos : q.phi_neg) : 0.f;
       }
     });
   });
@@ -526,12 +596,14 @@ void init_loss(pybind11::module_& m) {
   namespace gl = grpo::loss;
   m.def("grpo_loss_fwd", &gl::grpo_loss_fwd,
         "GRPO policy loss forward (CPU): flat [T] logps (f32/bf16/f16), old/ref/sampler/mask f32 [T] or None,\n"
-        "advantages f32 [B] or [T] (adv_per_token), cu_seqlens int64 [B + 1]. Returns (stats [B, 10] f32, coef [T] f32); see\n"
+        "advantages f32 [B] or [T] (adv_per_token), cu_seqlens int64 [B + 1]. Returns (stats [B, 11] f32, coef [T] f32); see\n"
         "grpo_kernels/ops/loss.py.",
         py::arg("logps"), py::arg("old_logps"), py::arg("ref_logps"), py::arg("sampler_logps"), py::arg("advantages"),
         py::arg("adv_per_token"), py::arg("mask"), py::arg("cu_seqlens"), py::arg("loss_family"), py::arg("seq_level"), py::arg("sampler_mode"),
         py::arg("eps_low"), py::arg("eps_high"), py::arg("delta"), py::arg("beta"), py::arg("bias_kl"),
-        py::arg("sampler_cap"), py::arg("tau_pos"), py::arg("tau_neg"), py::call_guard<py::gil_scoped_release>());
+        py::arg("sampler_cap"), py::arg("tau_pos"), py::arg("tau_neg"), py::arg("vespo_k_pos"),
+        py::arg("vespo_lambda_pos"), py::arg("vespo_k_neg"), py::arg("vespo_lambda_neg"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("grpo_loss_bwd", &gl::grpo_loss_bwd,
         "GRPO policy loss backward (CPU): grad [T] f32 = a[s] coef (+ b[s] mask, 1 without one, when seq_level).",
         py::arg("a"), py::arg("b"), py::arg("coef"), py::arg("mask"), py::arg("cu_seqlens"), py::arg("seq_level"),

@@ -36,6 +36,10 @@ def grpo_loss(
     use_bias_correction_kl: bool = False,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO policy loss of one micro-batch, exactly as TRL's GRPOTrainer computes it (before its
@@ -44,20 +48,27 @@ def grpo_loss(
     Per token (per sequence for importance_sampling_level="sequence", GSPO, where log w is the masked mean of
     logp - old over the sequence):
         w = exp(logp - old)
-        grpo/bnpo/dr_grpo/dapo: l = -min(min(w, delta) A, clip(w, 1 - epsilon_low, 1 + epsilon_high) A)
+        grpo/bnpo/dr_grpo/dapo/luspo: l = -min(min(w, delta) A, clip(w, 1 - epsilon_low, 1 + epsilon_high) A)
         cispo: l = -stopgrad(min(w, epsilon_high)) A logp;  sapo: l = -(4 / tau) sigmoid(tau (w - 1)) A
-        sampler correction: l *= r, r = exp(old - sampler) per token or exp(sum over the sequence), truncated
-            at sampler_is_cap ("*_truncate") or zeroed above it ("*_mask")
+        vespo: l = -stopgrad(phi) A logp, phi = exp(lam + k log v - lam v) (NaN / inf -> 0), k = vespo_k_pos and
+            lam = max(vespo_lambda_pos, 1e-4) for A >= 0 (the _neg pair for A < 0), log v = clamp(S, log 1e-8, 20),
+            S = sum_t m clamp(logp - old, -20, 20) over the sequence (+ sum of clamp(log r, log 1e-8, 20) of the
+            token-level sampler weights r over its positions: "token_*" sampler modes only)
+        sampler correction: l *= r (not vespo), r = exp(old - sampler) per token or exp(sum over the sequence),
+            truncated at sampler_is_cap ("*_truncate") or zeroed above it ("*_mask")
         KL (beta > 0): l += beta k3, k3 = exp(ref - logp) - (ref - logp) - 1 (times w with use_bias_correction_kl)
-    Aggregation (mask m): grpo/sapo: mean over sequences of sum_t m l / sum_t m; bnpo: sum m l / sum m;
-    dr_grpo: sum m l / (B max_completion_length); dapo/cispo: sum m l / num_items_in_batch (default sum m).
+    Aggregation (mask m): grpo/sapo: mean over sequences of sum_t m l / sum_t m; luspo: mean over sequences of
+    sum_t m l; bnpo: sum m l / sum m; dr_grpo: sum m l / (B max_completion_length); dapo/cispo/vespo: sum m l /
+    num_items_in_batch (default sum m).
 
     Non-finite values, the same on every backend (reference, C++, Triton) and loss type:
         - a token with m = 0 takes no part: NaN / inf in any of its inputs reaches neither the loss nor a gradient;
         - a NaN in logps, old_logps, advantages or (beta > 0) ref_logps of a token with m != 0 propagates: the loss
           is NaN (never inf or a finite number), that token's gradient is NaN (at sequence level, where the
           sequence's ratio is NaN, every token's of the sequence), the other sequences' gradients are unaffected;
-          sampler_logps go through nan_to_num, as in TRL;
+          sampler_logps go through nan_to_num, as in TRL; vespo's phi too (TRL's nan_to_num): a NaN in a
+          sequence's ratio sets its phi to 0, so the policy gradient of that sequence is 0 (its loss is NaN only
+          through a NaN term, e.g. a NaN logp);
         - w is computed in fp32 (the reference: in the input's dtype): for log w > 88.72 it is inf. The C++ and
           Triton backends never turn that into NaN: where it meets an exact zero (a clipped branch, A = 0, a zero
           derivative or sampler weight) the result is 0, as in exact arithmetic, so a clipped token has a zero
@@ -89,13 +100,16 @@ def grpo_loss(
     Returns:
         (loss, metrics): a 0-d float32 loss and 0-d tensors (no host sync) named as TRL logs them:
         "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean" (or "cispo_clip_ratio"),
-        "ratio_mean", "kl" (beta > 0), "sampler_logp_abs_diff" (mean |logp - sampler_logp|, with sampler_logps).
+        "ratio_mean", "kl" (beta > 0), "sampler_logp_abs_diff" (mean |logp - sampler_logp|, with sampler_logps);
+        vespo reports "vespo/phi_seq_mean" (mean of phi over sequences; over tokens with per-token advantages)
+        instead of the clip ratios.
     """
     options = loss_options(
         loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta,
         importance_sampling_level=importance_sampling_level, max_completion_length=max_completion_length,
         sampler_is_mode=sampler_is_mode, sampler_is_cap=sampler_is_cap, use_bias_correction_kl=use_bias_correction_kl,
-        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos,
+        vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
     )  # fmt: skip
     check_loss_inputs(options, num_items_in_batch=num_items_in_batch, ref_logps=ref_logps, sampler_logps=sampler_logps)
     b, cu, max_len, adv_per_token = check_loss_layout(logps, advantages, mask, cu_seqlens, max_seqlen)

@@ -16,10 +16,12 @@ from ._checks import check_number
 
 __all__ = ["LOSS_TYPES", "SAMPLER_IS_MODES", "KernelScalars", "LossOptions", "loss_options"]
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 SAMPLER_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-# The kernels' encodings: the loss family (0: the clipped objective, 1: cispo, 2: sapo) and the sampler mode.
-LOSS_FAMILIES = {"grpo": 0, "bnpo": 0, "dr_grpo": 0, "dapo": 0, "cispo": 1, "sapo": 2}
+# The kernels' encodings: the loss family (0: the clipped objective, 1: cispo, 2: sapo, 3: vespo's gamma weight) and
+# the sampler mode. luspo is the clipped objective with its own normalizer.
+LOSS_FAMILIES = {"grpo": 0, "bnpo": 0, "dr_grpo": 0, "dapo": 0, "cispo": 1, "sapo": 2, "luspo": 0, "vespo": 3}
+VESPO_MIN_LAMBDA = 1e-4  # TRL's floor on VESPO's rate lambda
 SAMPLER_MODES = {mode: i for i, mode in enumerate(SAMPLER_IS_MODES)}
 
 
@@ -37,6 +39,10 @@ class KernelScalars(NamedTuple):
     sampler_cap: float
     tau_pos: float
     tau_neg: float
+    vespo_k_pos: float
+    vespo_lambda_pos: float
+    vespo_k_neg: float
+    vespo_lambda_neg: float
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,7 +51,9 @@ class LossOptions:
     message starts with the option's name."""
 
     loss_type: str = "dapo"
-    """Aggregation/objective: "grpo", "bnpo", "dr_grpo", "dapo", "cispo" or "sapo"."""
+    """Aggregation/objective: "grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo" (the clipped objective
+    summed per sequence, averaged over sequences: GSPO scaled by length, meant with importance_sampling_level=
+    "sequence") or "vespo" (-phi A logp with VESPO's detached gamma weight phi of the whole sequence's ratio)."""
     epsilon_low: float = 0.2
     """Lower clip: the ratio is clipped at 1 - epsilon_low; 0 <= epsilon_low < 1."""
     epsilon_high: float = 0.2
@@ -69,6 +77,14 @@ class LossOptions:
     """SAPO's gate temperature for positive advantages (> 0)."""
     sapo_temperature_neg: float = 1.05
     """SAPO's gate temperature for negative advantages (> 0)."""
+    vespo_k_pos: float = 2.0
+    """VESPO's power k for advantages >= 0 (>= 0): phi(w) = exp(lambda + k log w - lambda w)."""
+    vespo_lambda_pos: float = 3.0
+    """VESPO's decay rate lambda for advantages >= 0 (>= 0; floored at 1e-4, as TRL does)."""
+    vespo_k_neg: float = 3.0
+    """VESPO's power k for negative advantages (>= 0)."""
+    vespo_lambda_neg: float = 2.0
+    """VESPO's decay rate lambda for negative advantages (>= 0; floored at 1e-4)."""
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
@@ -84,6 +100,8 @@ class LossOptions:
         check_number("sampler_is_cap", self.sampler_is_cap, low=0.0, low_open=True)
         check_number("sapo_temperature_pos", self.sapo_temperature_pos, low=0.0, low_open=True)
         check_number("sapo_temperature_neg", self.sapo_temperature_neg, low=0.0, low_open=True)
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            check_number(name, getattr(self, name), low=0.0)
         if not isinstance(self.use_bias_correction_kl, bool):
             raise ValueError(f"use_bias_correction_kl must be a bool, got {self.use_bias_correction_kl!r}")
         mcl = self.max_completion_length
@@ -93,11 +111,21 @@ class LossOptions:
             raise ValueError(
                 f"sampler_is_mode must be one of {', '.join(map(repr, SAMPLER_IS_MODES))}, got {self.sampler_is_mode!r}"
             )
+        if self.loss_type == "vespo" and (self.sampler_is_mode or "").startswith("sequence"):
+            raise ValueError(
+                f"sampler_is_mode={self.sampler_is_mode!r} with loss_type='vespo': VESPO folds per-token sampler "
+                "weights into its sequence weight (TRL: 'token_truncate' or 'token_mask' only)"
+            )
 
     @property
     def seq_level(self) -> bool:
         """One importance ratio per sequence (GSPO)."""
         return self.importance_sampling_level == "sequence"
+
+    @property
+    def whole_sequence(self) -> bool:
+        """Each token's loss needs a statistic of its whole sequence: GSPO, a sequence-level sampler mode, or vespo."""
+        return self.seq_level or (self.sampler_is_mode or "").startswith("sequence") or self.loss_type == "vespo"
 
     def kwargs(self) -> dict:
         """{option name: value}, the keyword arguments of grpo_loss (and of the reference) for these options."""
@@ -114,12 +142,16 @@ class LossOptions:
             eps_high=float(self.epsilon_high), delta=math.inf if self.delta is None else float(self.delta),
             beta=float(self.beta), bias_kl=self.use_bias_correction_kl, sampler_cap=float(self.sampler_is_cap),
             tau_pos=float(self.sapo_temperature_pos), tau_neg=float(self.sapo_temperature_neg),
+            vespo_k_pos=float(self.vespo_k_pos), vespo_lambda_pos=max(float(self.vespo_lambda_pos), VESPO_MIN_LAMBDA),
+            vespo_k_neg=float(self.vespo_k_neg), vespo_lambda_neg=max(float(self.vespo_lambda_neg), VESPO_MIN_LAMBDA),
         )  # fmt: skip
 
     def metric_names(self, *, sampler: bool, entropy: bool = False) -> tuple[str, ...]:
         """The metrics the loss reports, in order, named as TRL logs them (sampler: sampler_logps are given)."""
-        names = ("cispo_clip_ratio", "ratio_mean") if self.loss_type == "cispo" else (
-            "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio_mean")  # fmt: skip
+        if self.loss_type in ("cispo", "vespo"):
+            names = ("cispo_clip_ratio" if self.loss_type == "cispo" else "vespo/phi_seq_mean", "ratio_mean")
+        else:
+            names = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio_mean")
         return names + ("kl",) * (self.beta != 0.0) + ("sampler_logp_abs_diff",) * sampler + ("entropy",) * entropy
 
 

@@ -6,6 +6,8 @@ the same thing" that bf16 backends must match or beat. They assume valid input (
 and are differentiable with autograd. Nothing here imports Triton or the compiled extension.
 """
 
+import math
+
 import torch
 
 from .types import GroupAdvantages, group_sizes
@@ -113,6 +115,20 @@ def selective_logprobs(
     return logps, -(logp.exp() * logp.masked_fill(logp == float("-inf"), 0.0)).sum(dim=-1)
 
 
+def _vespo_phi(log_ratio, mask, valid, is_ratio, adv, k_pos, lambda_pos, k_neg, lambda_neg):
+    """VESPO's gamma weight phi(v) = e^lam v^k e^(-lam v) of the sequence ratio v (phi(1) = 1), in log space:
+    [B, 1] with advantages per sequence, [B, L] per token (k, lam chosen by the sign of each advantage)."""
+    s = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
+    floor = math.log(1e-8)
+    if is_ratio is not None:  # token-level sampler weights, every position of the sequence (masked ones: r = f(0))
+        s = s + (torch.clamp(torch.log(is_ratio), floor, 20.0) * valid).sum(-1, keepdim=True)
+    log_v = torch.clamp(s, floor, 20.0)
+    nonneg = adv >= 0
+    k = torch.where(nonneg, log_v.new_tensor(k_pos), log_v.new_tensor(k_neg))
+    lam = torch.where(nonneg, log_v.new_tensor(lambda_pos), log_v.new_tensor(lambda_neg)).clamp(min=1e-4)
+    return torch.exp(lam + k * log_v - lam * torch.exp(log_v)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def unpack(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Packed [T, ...] with cu_seqlens [B + 1] -> padded [B, L_max, ...] (zeros past each sequence's end)."""
     lengths = cu_seqlens.diff().tolist()
@@ -144,27 +160,38 @@ def grpo_loss(
     use_bias_correction_kl: bool = False,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO policy loss with TRL's math and normalizers, for one micro-batch (no gradient-accumulation scaling).
 
     Per token (or per sequence for importance_sampling_level="sequence", GSPO):
       w = exp(logp - old)  (sequence: exp(masked mean of logp - old over the sequence))
       grpo/bnpo/dr_grpo/dapo: l = -min(w' A, clip(w, 1 - eps_low, 1 + eps_high) A), w' = min(w, delta) if delta
+      (luspo: the same l as grpo)
       cispo: l = -stopgrad(min(w, eps_high)) A logp;   sapo: l = -(4 / tau) sigmoid(tau (w - 1)) A, tau by sign of A
-      sampler correction: l *= r, r = exp(old - sampler) per token or per sequence (sum), truncated at the cap
-        ("*_truncate") or zeroed above it ("*_mask")
+      vespo: l = -stopgrad(phi) A logp, phi = nan_to_num(exp(lam + k log v - lam v)) (NaN, inf -> 0), (k, lam) by
+        A >= 0 or A < 0, lam floored at 1e-4, v = exp(clamp(S, log 1e-8, 20)), S = sum_t m clamp(logp - old, -20, 20)
+        (+ sum over the sequence's positions of clamp(log r, log 1e-8, 20) with a token-level sampler weight r)
+      sampler correction: l *= r (not vespo), r = exp(old - sampler) per token or per sequence (sum), truncated at
+        the cap ("*_truncate") or zeroed above it ("*_mask")
       KL (beta > 0): l += beta k3, k3 = exp(ref - logp) - (ref - logp) - 1 (times w if use_bias_correction_kl)
-    Aggregation over tokens with mask m: grpo/sapo: mean_b (sum_t m l / sum_t m); bnpo: sum m l / sum m;
-    dr_grpo: sum m l / (B max_completion_length); dapo/cispo: sum m l / num_items_in_batch (default sum m).
+    Aggregation over tokens with mask m: grpo/sapo: mean_b (sum_t m l / sum_t m); luspo: mean_b sum_t m l;
+    bnpo: sum m l / sum m; dr_grpo: sum m l / (B max_completion_length); dapo/cispo/vespo: sum m l /
+    num_items_in_batch (default sum m). vespo's metric "vespo/phi_seq_mean" is the mean of phi over sequences (over
+    masked tokens with per-token advantages); it reports no clip ratios.
     Inputs padded [B, L] with mask, or packed [T] with cu_seqlens [B + 1]; advantages [B] or per token.
 
     Non-finite inputs: a token with m = 0 takes no part whatever its values (NaN / inf padding is replaced by 0
     before any arithmetic, so it reaches neither the loss nor a gradient). A NaN in logps, old_logps, advantages or
     (beta > 0) ref_logps of a token with m != 0 propagates: the loss is NaN, and so is that token's gradient (every
     token's of its sequence where the sequence's ratio or dl/dw is NaN: GSPO). sampler_logps go through
-    nan_to_num, as in TRL. Ratios: this is the spec in fp64 (exp(100) is finite there); run in fp32 it overflows
-    like TRL (inf * 0 = NaN gradients for clipped tokens above log w = 88.72), which the C++ and Triton backends
-    avoid (see grpo_kernels.grpo_loss, "Non-finite values").
+    nan_to_num, as in TRL (vespo's phi too: a NaN in a sequence's ratio zeroes its phi). Ratios: this is the spec
+    in fp64 (exp(100) is finite there); run in fp32 it overflows like TRL (inf * 0 = NaN gradients for clipped
+    tokens above log w = 88.72), which the C++ and Triton backends avoid (see grpo_kernels.grpo_loss, "Non-finite
+    values").
     """
     if cu_seqlens is not None:
         packed = {"logps": logps, "old": old_logps, "ref": ref_logps, "sampler": sampler_logps, "mask": mask}
@@ -175,6 +202,8 @@ def grpo_loss(
         logps, old_logps, ref_logps, sampler_logps = padded["logps"], padded["old"], padded["ref"], padded["sampler"]
         mask = valid if padded["mask"] is None else padded["mask"] * valid
         advantages = padded.get("adv", advantages)
+    else:
+        valid = torch.ones_like(logps)  # each sequence's positions (vespo's sampler sum runs over them)
     mask = torch.ones_like(logps) if mask is None else mask.to(logps.dtype)
     on = mask != 0
     logps, old_logps, ref_logps, sampler_logps = (
@@ -195,9 +224,24 @@ def grpo_loss(
         kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
         if use_bias_correction_kl:
             kl = kl * w
-    if loss_type == "cispo":
+    is_ratio = None
+    if sampler_logps is not None:
+        diff = torch.nan_to_num((old - sampler_logps) * mask, nan=0.0)
+        if sampler_is_mode.startswith("sequence"):
+            diff = diff.sum(dim=-1, keepdim=True)
+        is_ratio = torch.exp(diff)
+        if sampler_is_mode.endswith("truncate"):
+            is_ratio = torch.clamp(is_ratio, max=sampler_is_cap)
+        else:
+            is_ratio = is_ratio.masked_fill(is_ratio > sampler_is_cap, 0.0)
+    if loss_type == "vespo":
+        with torch.no_grad():
+            phi = _vespo_phi(log_ratio, mask, valid, is_ratio, adv, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+                             vespo_lambda_neg)  # fmt: skip
+        per_token = -phi * adv_t * logps
+    elif loss_type == "cispo":
         per_token = -torch.clamp(w, max=epsilon_high).detach() * adv_t * logps
-    elif loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
+    elif loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
         clipped = torch.clamp(w, 1 - epsilon_low, 1 + epsilon_high)
         if delta is not None:
             w = torch.clamp(w, max=delta)
@@ -208,15 +252,7 @@ def grpo_loss(
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
 
-    if sampler_logps is not None:
-        diff = torch.nan_to_num((old - sampler_logps) * mask, nan=0.0)
-        if sampler_is_mode.startswith("sequence"):
-            diff = diff.sum(dim=-1, keepdim=True)
-        is_ratio = torch.exp(diff)
-        if sampler_is_mode.endswith("truncate"):
-            is_ratio = torch.clamp(is_ratio, max=sampler_is_cap)
-        else:
-            is_ratio = is_ratio.masked_fill(is_ratio > sampler_is_cap, 0.0)
+    if is_ratio is not None and loss_type != "vespo":  # vespo's phi holds the sampler weights
         per_token = per_token * is_ratio
     if beta != 0.0:
         per_token = per_token + beta * kl
@@ -224,6 +260,8 @@ def grpo_loss(
     total = (per_token * mask).sum()
     if loss_type in ("grpo", "sapo"):
         loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    elif loss_type == "luspo":
+        loss = (per_token * mask).sum(-1).mean()
     elif loss_type == "bnpo":
         loss = total / mask.sum().clamp(min=1.0)
     elif loss_type == "dr_grpo":
@@ -250,6 +288,8 @@ def grpo_loss(
     if loss_type == "cispo":
         cispo_clipped = masked_mean((w_clip > epsilon_high) & (adv > 0))
         metrics = {"cispo_clip_ratio": cispo_clipped, "ratio_mean": metrics["ratio_mean"]}
+    elif loss_type == "vespo":
+        metrics = {"vespo/phi_seq_mean": masked_mean(phi), "ratio_mean": metrics["ratio_mean"]}
     if beta != 0.0:
         metrics["kl"] = masked_mean(kl)
     if sampler_logps is not None:

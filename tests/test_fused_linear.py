@@ -65,6 +65,8 @@ def check(got, want, tag, dtype=torch.float32):
 def test_matches_naive_eager_every_loss_type(loss_type, level, packed):
     x = make(packed=packed)
     for beta, mode in [(0.0, None), (0.04, "token_mask"), (0.04, "sequence_truncate")]:
+        if loss_type == "vespo" and mode:  # vespo folds token-level sampler weights into its phi (no sequence modes)
+            mode = "token_truncate"
         kw = dict(loss_type=loss_type, importance_sampling_level=level, beta=beta, sampler_is_mode=mode)
         check(run("cpp", x, chunk_tokens=4, **kw), run("reference", x, **kw), f"{kw} packed={packed}")
 
@@ -78,10 +80,11 @@ def test_same_result_for_any_chunk_size(level):
         check(run("cpp", x, chunk_tokens=chunk, **kw), want, f"chunk_tokens={chunk}")
 
 
+@pytest.mark.parametrize("loss_type", ["dapo", "luspo", "vespo"])
 @pytest.mark.parametrize("level", ["token", "sequence"])
-def test_triton_backend_matches(triton_device, level):
+def test_triton_backend_matches(triton_device, level, loss_type):
     x = make(device=device_for("triton", triton_device))
-    kw = dict(loss_type="dapo", beta=0.04, importance_sampling_level=level, sampler_is_mode="token_truncate")
+    kw = dict(loss_type=loss_type, beta=0.04, importance_sampling_level=level, sampler_is_mode="token_truncate")
     check(run("triton", x, chunk_tokens=5, **kw), run("reference", x, **kw), "triton")
 
 
@@ -99,11 +102,12 @@ def test_tied_weights_accumulate_both_gradients():
     assert_close(grads[0], grads[1], name="tied weight grad")
 
 
-def test_bf16_no_worse_than_pytorch():
+@pytest.mark.parametrize("loss_type", ["grpo", "luspo", "vespo"])
+def test_bf16_no_worse_than_pytorch(loss_type):
     x32 = make()
     x16 = {k: v.bfloat16() if k in ("hidden", "weight", "bias") else v for k, v in x32.items()}
     x32 = {k: v.float() if k in ("hidden", "weight", "bias") else v for k, v in x16.items()}  # same values
-    kw = dict(loss_type="grpo", beta=0.04)
+    kw = dict(loss_type=loss_type, beta=0.04)
     ours = run("cpp", x16, chunk_tokens=4, **kw)
     assert ours[2].dtype == torch.bfloat16
     oracle = run("reference", {k: v.double() if v.is_floating_point() else v for k, v in x32.items()}, **kw)
@@ -173,12 +177,17 @@ liger_grpo = pytest.importorskip("liger_kernel.chunked_loss.grpo_loss")
 @pytest.mark.parametrize(
     "loss_type,level,beta",
     [("dapo", "token", 0.04), ("grpo", "sequence", 0.0), ("bnpo", "token", 0.04), ("cispo", "token", 0.0),
-     ("sapo", "token", 0.04), ("dr_grpo", "sequence", 0.04)],
+     ("sapo", "token", 0.04), ("dr_grpo", "sequence", 0.04), ("luspo", "sequence", 0.0), ("luspo", "sequence", 0.04),
+     ("luspo", "token", 0.04), ("luspo", "token", 0.0), ("vespo", "token", 0.0), ("vespo", "token", 0.04)],
 )  # fmt: skip
-def test_module_matches_liger_chunked_loss(loss_type, level, beta):
+@pytest.mark.parametrize("delta", [None, 1.5])
+def test_module_matches_liger_chunked_loss(loss_type, level, beta, delta):
+    """luspo: Liger scales the per-token loss by the sequence length and averages over every position (padding
+    included) when it is [B, L] (a KL term, token level); vespo: Liger's gamma weight, its clip slot 0."""
     x = make()
     cfg = dict(beta=beta, epsilon_high=5.0 if loss_type == "cispo" else 0.28, loss_type=loss_type,
-               max_completion_length=L, importance_sampling_level=level, temperature=0.9)  # fmt: skip
+               max_completion_length=L, importance_sampling_level=level, temperature=0.9,
+               delta=delta if loss_type in ("dapo", "grpo", "bnpo", "dr_grpo", "luspo") else None)  # fmt: skip
     outs = []
     for module in (liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, **cfg), gk.FusedLinearGRPOLoss(**cfg)):
         h, w, b = (x[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
@@ -236,7 +245,8 @@ def test_module_returns_liger_metric_slots_and_ignores_what_liger_ignores(use_re
 
 
 @pytest.mark.parametrize("loss_type,level", [("dapo", "token"), ("grpo", "sequence"), ("cispo", "token"),
-                                             ("bnpo", "token")])  # fmt: skip
+                                             ("bnpo", "token"), ("luspo", "sequence"), ("luspo", "token"),
+                                             ("vespo", "token")])  # fmt: skip
 @pytest.mark.parametrize("ratio_shape", ["token", "sequence"])
 @pytest.mark.parametrize("old_given", [True, False])
 def test_module_applies_vllm_is_ratio_as_liger_does(loss_type, level, ratio_shape, old_given):
@@ -257,6 +267,38 @@ def test_module_applies_vllm_is_ratio_as_liger_does(loss_type, level, ratio_shap
         assert_close(got, want, name=f"{name} vs Liger", rtol=1e-4, atol=1e-6)
     assert_close(m[0], l_m[0], name="kl vs Liger", rtol=1e-5, atol=1e-6)
     assert_close(m[1], l_m[1], name="clip vs Liger", rtol=1e-5, atol=1e-6)
+
+
+def test_module_vespo_options_match_liger_and_its_refusals():
+    """Non-default VESPO k / lambda against Liger; vespo at sequence level is a ValueError (as in Liger), and Liger's
+    bias-corrected KL of luspo at sequence level (not composed here) a NotImplementedError naming the option."""
+    x = make()
+    x["old"] = gk.fused_linear_logprobs(x["hidden"], x["weight"], x["ids"], bias=x["bias"], temperature=0.9)
+    x["old"] = x["old"] + 0.2 * torch.randn_like(x["old"])
+    cfg = dict(beta=0.04, loss_type="vespo", temperature=0.9, vespo_k_pos=1.5, vespo_lambda_pos=0.5, vespo_k_neg=0.25,
+               vespo_lambda_neg=4.0)  # fmt: skip
+    outs = []
+    for module in (liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, **cfg), gk.FusedLinearGRPOLoss(**cfg)):
+        h, w = x["hidden"].clone().requires_grad_(), x["weight"].clone().requires_grad_()
+        loss, metrics = module(h, w, x["ids"], x["mask"], x["adv"], bias=x["bias"], ref_per_token_logps=x["ref"],
+                               old_per_token_logps=x["old"])  # fmt: skip
+        loss.backward()
+        outs.append((loss, h.grad, w.grad, metrics))
+    (l_loss, l_h, l_w, l_m), (loss, gh, gw, m) = outs
+    for name, got, want in (("loss", loss, l_loss), ("hidden", gh, l_h), ("weight", gw, l_w)):
+        assert_close(got, want, name=f"{name} vs Liger", rtol=1e-4, atol=1e-6)
+    default = gk.FusedLinearGRPOLoss(beta=0.04, loss_type="vespo", temperature=0.9)
+    d_loss, _ = default(x["hidden"], x["weight"], x["ids"], x["mask"], x["adv"], bias=x["bias"],
+                        ref_per_token_logps=x["ref"], old_per_token_logps=x["old"])  # fmt: skip
+    assert abs(d_loss.item() - loss.item()) > 1e-4, "the VESPO options changed nothing"
+    for got, want in zip(m, l_m, strict=True):
+        assert_close(got, want, name="metric vs Liger", rtol=1e-5, atol=1e-6)
+    args = (x["hidden"], x["weight"], x["ids"], x["mask"], x["adv"])
+    with pytest.raises(ValueError, match="vespo"):
+        gk.FusedLinearGRPOLoss(loss_type="vespo", importance_sampling_level="sequence")(*args)
+    with pytest.raises(NotImplementedError, match="use_bias_correction_kl"):
+        gk.FusedLinearGRPOLoss(loss_type="luspo", importance_sampling_level="sequence", use_bias_correction_kl=True)(
+            *args, ref_per_token_logps=x["ref"], old_per_token_logps=x["old"])
 
 
 def test_module_refuses_a_vllm_is_ratio_it_cannot_apply():

@@ -106,6 +106,8 @@ def test_every_option_matches_reference(impl, triton_device, loss_type, level, b
         OPTION_SETS if impl.startswith("cpp") else [OPTION_SETS[(case + 13 * i) % len(OPTION_SETS)] for i in range(6)]
     )
     for i, (mode, delta, bias_kl, on_policy, adv_per_token) in enumerate(options):
+        if loss_type == "vespo" and mode:  # vespo takes token-level sampler weights only (into its phi)
+            mode = mode.replace("sequence", "token")
         kw = dict(loss_type=loss_type, importance_sampling_level=level, beta=beta, delta=delta, epsilon_high=0.28,
                   use_bias_correction_kl=bias_kl, sampler_is_mode=mode, old=not on_policy,
                   adv_per_token=adv_per_token)  # fmt: skip
@@ -141,14 +143,15 @@ def test_matches_trl_own_loss_code(loss_type, level, beta):
             assert metrics[key].item() == pytest.approx(values[-1], abs=1e-6), key
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "luspo", "vespo"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_low_precision_logps_no_worse_than_pytorch(impl, triton_device, dtype):
+def test_low_precision_logps_no_worse_than_pytorch(impl, triton_device, dtype, loss_type):
     """Low-precision logps (the other inputs fp32): our fp32 arithmetic vs PyTorch's on all-low-precision
     tensors, both against the fp64 oracle of the same (rounded) inputs."""
     x = make_batch(7, 33, device=device_for(impl, triton_device))
     x["logps"] = x["logps"].to(dtype).double()  # exactly representable: every path sees the same values
-    kw = dict(loss_type="grpo", beta=0.04, sampler_is_mode="token_truncate")
+    kw = dict(loss_type=loss_type, beta=0.04, sampler_is_mode="token_truncate")
     loss, grad, _ = run(impl, x, dtype=dtype, **kw)
     assert grad.dtype == dtype
     e_loss, e_grad, _ = oracle(x, **kw)
@@ -205,9 +208,8 @@ def test_fully_masked_sequences_contribute_nothing_even_with_garbage(impl, trito
     x["logps"] = x["logps"].masked_fill(pad & (torch.arange(12, device=dev) % 2 == 0), float("inf"))
     for loss_type in LOSS_TYPES:
         for level in ("token", "sequence"):
-            kw = dict(
-                loss_type=loss_type, beta=0.04, importance_sampling_level=level, sampler_is_mode="sequence_truncate"
-            )
+            mode = "token_truncate" if loss_type == "vespo" else "sequence_truncate"
+            kw = dict(loss_type=loss_type, beta=0.04, importance_sampling_level=level, sampler_is_mode=mode)
             loss, grad, metrics = run(impl, x, **kw)
             assert torch.isfinite(loss) and not bool(torch.isnan(grad).any())
             assert bool((grad[pad] == 0).all()), "padding got a gradient"
@@ -282,6 +284,9 @@ def _args(**over):
         (dict(old_logps=torch.zeros(3, 5, requires_grad=True)), "old_logps"),
         (dict(impl="cuda"), "impl"),
         (dict(use_bias_correction_kl=1), "use_bias_correction_kl"),
+        (dict(loss_type="vespo", vespo_k_pos=-1.0), "vespo_k_pos"),
+        (dict(loss_type="vespo", vespo_lambda_neg=float("inf")), "vespo_lambda_neg"),
+        (dict(loss_type="vespo", sampler_logps=torch.zeros(3, 5), sampler_is_mode="sequence_mask"), "sampler_is_mode"),
     ],
 )
 def test_bad_arguments_raise_value_error_naming_them(over, match):
@@ -311,18 +316,20 @@ def test_bad_cu_seqlens_raise_value_error(cu, match):
         gk.grpo_loss(torch.zeros(3, 4), None, torch.zeros(3), cu_seqlens=torch.tensor([0, 4, 8, 12]))
 
 
-def _op_args(seq_level: bool):
+def _op_args(seq_level: bool, family: int = 0):
     x = make_batch(4, 6, dtype=torch.float32)
     t = x["logps"].reshape(-1)
     cu = torch.arange(5, dtype=torch.int64) * 6
     flat = [x[k].reshape(-1) for k in ("old", "ref", "sampler")]
-    hyper = (0.2, 0.28, 1.5, 0.04, True, 3.0, 1.0, 1.05)
-    return (t.clone().requires_grad_(), *flat, x["adv"], False, x["mask"].reshape(-1), cu, 6, 0, seq_level, 3, *hyper)
+    hyper = (0.2, 0.28, 1.5, 0.04, True, 3.0, 1.0, 1.05, 2.0, 3.0, 3.0, 2.0)
+    return (t.clone().requires_grad_(), *flat, x["adv"], False, x["mask"].reshape(-1), cu, 6, family, seq_level,
+            1 if family == 3 else 3, *hyper)  # fmt: skip
 
 
+@pytest.mark.parametrize("family", [0, 3])
 @pytest.mark.parametrize("seq_level", [False, True])
-def test_opcheck(seq_level):
-    torch.library.opcheck(torch.ops.grpo_kernels.grpo_loss_fwd, _op_args(seq_level))
+def test_opcheck(seq_level, family):
+    torch.library.opcheck(torch.ops.grpo_kernels.grpo_loss_fwd, _op_args(seq_level, family))
     coef = torch.randn(24)
     bwd = (torch.randn(4), torch.randn(4), coef, torch.ones(24), torch.arange(5) * 6, 6, seq_level, torch.float32)
     torch.library.opcheck(torch.ops.grpo_kernels.grpo_loss_bwd, bwd)

@@ -17,25 +17,27 @@ from grpo_kernels import reference
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 trl_utils = pytest.importorskip("trl.trainer.utils")
 
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"]
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 
 
 def trl_loss(logps, inputs, *, loss_type, beta, level, eps_low=0.2, eps_high=0.28, delta=None, bias_kl=False,
-             max_completion_length=None):  # fmt: skip
+             max_completion_length=None, vespo=(2.0, 3.0, 3.0, 2.0), use_vllm=False):  # fmt: skip
     """Run TRL's _compute_loss on a stand-in trainer; returns (loss, TRL's logged metrics)."""
     metrics = {"train": defaultdict(list)}
     identity = lambda x, **_: x
     trainer = SimpleNamespace(
         loss_type=loss_type, beta=beta, epsilon_low=eps_low, epsilon_high=eps_high,
         importance_sampling_level=level, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
-        use_vllm=False, vllm_importance_sampling_correction=False, aux_loss_enabled=False,
+        use_vllm=use_vllm, vllm_importance_sampling_correction=use_vllm, aux_loss_enabled=False,
         _entropy_bonus_enabled=False, max_completion_length=max_completion_length or logps.shape[1],
         current_gradient_accumulation_steps=1, model=SimpleNamespace(training=True), _metrics=metrics,
         accelerator=SimpleNamespace(num_processes=1, gather=identity, reduce=identity, gather_for_metrics=identity,
                                     sync_gradients=True),
         args=SimpleNamespace(delta=delta, use_bias_correction_kl=bias_kl, sapo_temperature_pos=1.0,
-                             sapo_temperature_neg=1.05, steps_per_generation=1),
+                             sapo_temperature_neg=1.05, steps_per_generation=1, vespo_k_pos=vespo[0],
+                             vespo_lambda_pos=vespo[1], vespo_k_neg=vespo[2], vespo_lambda_neg=vespo[3]),
         _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None),
+        get_gamma_weights=trl_grpo.GRPOTrainer.get_gamma_weights,  # a staticmethod: VESPO's weight
     )  # fmt: skip
     loss = trl_grpo.GRPOTrainer._compute_loss(trainer, None, inputs)
     return loss, metrics["train"]
@@ -78,11 +80,15 @@ def test_loss_and_gradient_match_trl(loss_type, level, beta):
     for key, values in trl_metrics.items():
         if key in metrics:
             assert metrics[key].item() == pytest.approx(values[-1], abs=1e-6), key  # TRL counts in fp32
-    expected_keys = {"clip_ratio/low_mean", "clip_ratio/high_mean"} if loss_type != "cispo" else {"cispo_clip_ratio"}
+    expected_keys = {"cispo": {"cispo_clip_ratio"}, "vespo": {"vespo/phi_seq_mean"}}.get(
+        loss_type, {"clip_ratio/low_mean", "clip_ratio/high_mean"}
+    )
+    assert all(key in metrics for key in trl_metrics if key not in ("entropy", "clip_ratio/low_min",
+                                                                     "clip_ratio/high_max")), set(trl_metrics)
     assert expected_keys <= set(metrics) and (beta == 0.0 or "kl" in metrics)
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "luspo"])
 def test_two_sided_delta_and_bias_corrected_kl_match_trl(loss_type):
     logps, old, ref, mask, adv = batch()
     inputs = {
@@ -101,6 +107,63 @@ def test_two_sided_delta_and_bias_corrected_kl_match_trl(loss_type):
     (g,) = torch.autograd.grad(loss, lp)
     assert_close(loss, expected, name="loss", dtype=torch.float64)
     assert_close(g * mask, g_trl * mask, name="grad", dtype=torch.float64)
+
+
+@pytest.mark.parametrize("adv_per_token", [False, True])
+@pytest.mark.parametrize("mode", [None, "token_truncate", "token_mask"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_vespo_sampler_ratio_gamma_options_and_per_token_advantages_match_trl(level, mode, adv_per_token):
+    """VESPO folds TRL's vLLM importance-sampling ratio (truncated, or masked to 0) into its sequence weight instead
+    of multiplying the loss by it; non-default k and lambda (lambda_neg = 0: TRL floors it at 1e-4); advantages per
+    token (phi per token, by each advantage's sign); the bias-corrected KL at either level."""
+    logps, old, ref, mask, adv = batch()
+    sampler = old + 0.5 * torch.randn_like(old)
+    if adv_per_token:
+        adv = adv[:, None] * torch.randn_like(logps)
+    inputs = {
+        "prompt_ids": torch.zeros(5, 2, dtype=torch.long), "prompt_mask": torch.ones(5, 2, dtype=torch.long),
+        "completion_ids": torch.zeros(5, 9, dtype=torch.long), "completion_mask": mask.long(),
+        "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref, "num_items_in_batch": mask.sum(),
+    }  # fmt: skip
+    options = {}
+    if mode is not None:  # TRL's own ratio, as its _generate_and_score_completions builds it (no lower clip)
+        ratio = torch.nan_to_num((old - sampler) * mask, nan=0.0).exp()
+        ratio = ratio.clamp(max=1.5) if mode == "token_truncate" else ratio.masked_fill(ratio > 1.5, 0.0)
+        inputs["importance_sampling_ratio"] = ratio
+        options = dict(sampler_logps=sampler, sampler_is_mode=mode, sampler_is_cap=1.5)
+    vespo = (1.5, 0.5, 0.25, 0.0)
+    lp_trl = logps.clone().requires_grad_()
+    expected, trl_metrics = trl_loss(lp_trl, inputs, loss_type="vespo", beta=0.04, level=level, bias_kl=True,
+                                     vespo=vespo, use_vllm=mode is not None)  # fmt: skip
+    (g_trl,) = torch.autograd.grad(expected, lp_trl)
+    lp = logps.clone().requires_grad_()
+    loss, metrics = reference.grpo_loss(
+        lp, old, adv, ref_logps=ref, mask=mask, loss_type="vespo", beta=0.04, importance_sampling_level=level,
+        use_bias_correction_kl=True, vespo_k_pos=vespo[0], vespo_lambda_pos=vespo[1], vespo_k_neg=vespo[2],
+        vespo_lambda_neg=vespo[3], **options,
+    )  # fmt: skip
+    (g,) = torch.autograd.grad(loss, lp)
+    assert_close(loss, expected, name="loss", dtype=torch.float64)
+    assert_close(g * mask, g_trl * mask, name="grad", dtype=torch.float64)
+    phi = trl_metrics["vespo/phi_seq_mean"][-1]
+    assert 0.0 < phi and metrics["vespo/phi_seq_mean"].item() == pytest.approx(phi, rel=1e-6)
+    assert metrics["kl"].item() == pytest.approx(trl_metrics["kl"][-1], rel=1e-6)
+    without = reference.grpo_loss(logps, old, adv, ref_logps=ref, mask=mask, loss_type="vespo", beta=0.04,
+                                  importance_sampling_level=level, use_bias_correction_kl=True)[0]  # fmt: skip
+    assert abs(loss.item() - without.item()) > 1e-6, "the options changed nothing: the test would prove nothing"
+
+
+def test_luspo_sums_each_sequence_and_vespo_weight_is_one_on_policy():
+    """By hand: luspo = mean over sequences of the masked sum (no division by the length); vespo on-policy has
+    phi(1) = e^lam e^-lam = 1, so its gradient is -A / sum m per token, as dapo's."""
+    logps, _, _, mask, adv = batch()
+    lp = logps.clone().requires_grad_()
+    loss, _ = reference.grpo_loss(lp, None, adv, mask=mask, loss_type="luspo")
+    assert loss.item() == pytest.approx((-adv * mask.sum(-1)).mean().item())
+    loss, metrics = reference.grpo_loss(lp, None, adv, mask=mask, loss_type="vespo")
+    (g,) = torch.autograd.grad(loss, lp)
+    assert metrics["vespo/phi_seq_mean"].item() == pytest.approx(1.0)
+    assert_close(g, -(adv[:, None] * mask) / mask.sum(), name="vespo on-policy grad", dtype=torch.float64)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -157,7 +220,9 @@ def test_selective_logprobs_and_entropy_match_trl(temperature):
 
 def test_reference_loss_gradcheck():
     logps, old, ref, mask, adv = batch(3, 4)
-    for loss_type in LOSS_TYPES:
+    # vespo's phi is a stop-gradient weight (TRL computes it under no_grad): its analytic gradient is not the finite
+    # difference by design, and is checked against TRL's autograd above instead.
+    for loss_type in (t for t in LOSS_TYPES if t != "vespo"):
         kw = dict(ref_logps=ref, mask=mask, loss_type=loss_type, beta=0.1)
         f = lambda lp, kw=kw: reference.grpo_loss(lp, old, adv, **kw)[0]
         assert torch.autograd.gradcheck(f, (logps.clone().requires_grad_(),))

@@ -38,10 +38,10 @@ from grpo_kernels.packing import pack_sequences  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 V, MAX_LEN, EOS, PAD = 320, 8, 1, 0
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"]  # TRL 1.16's luspo / vespo are not fused
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 LOSS_METRICS = {"kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio", "aux_loss", "policy_loss",
-                "entropy_coef"}  # fmt: skip
+                "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio", "vespo/phi_seq_mean", "aux_loss",
+                "policy_loss", "entropy_coef"}  # fmt: skip
 PROMPTS = ["t5 t6 t7", "t8 t9", "t10 t11 t12 t13", "t14", "t15 t16", "t17 t18 t19"]
 
 
@@ -168,8 +168,14 @@ def test_num_iterations_2_reuses_old_logprobs_like_trl(model_dir, loss_type, lev
     dict(loss_type="cispo", epsilon_high=3.0, per_device_train_batch_size=4, steps_per_generation=4, steps=2),
     dict(loss_type="dr_grpo", importance_sampling_level="sequence", per_device_train_batch_size=4,
          gradient_accumulation_steps=2, steps_per_generation=4, steps=2),
+    dict(loss_type="luspo", importance_sampling_level="sequence", delta=1.5, use_bias_correction_kl=True,
+         num_iterations=2, steps=2, lr=2.0),
+    dict(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_pos=0.5, vespo_k_neg=0.25, vespo_lambda_neg=4.0,
+         use_bias_correction_kl=True, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+         steps_per_generation=4, steps=2, lr=2.0),
 ], ids=["delta-epsilon-no_bias_kl-temperature", "sapo_temperatures-grad_accum", "cispo-steps_per_generation",
-        "gspo-grad_accum-steps_per_generation"])  # fmt: skip
+        "gspo-grad_accum-steps_per_generation", "luspo-delta-bias_kl-off_policy",
+        "vespo_k_lambda-bias_kl-grad_accum-steps_per_generation"])  # fmt: skip
 def test_other_loss_options_and_batching_match_trl(model_dir, overrides):
     """delta, epsilon, KL without bias correction, temperature, SAPO temperatures, and TRL's normalizers over
     gradient accumulation and steps_per_generation (old log-probs whenever a generation spans several steps)."""
@@ -261,9 +267,13 @@ def assert_same_loss_and_grads(got, want):
 
 
 @pytest.mark.parametrize("mode,loss_type", [("token_truncate", "dapo"), ("token_mask", "grpo"),
-                                            ("sequence_truncate", "cispo"), ("sequence_mask", "sapo")])  # fmt: skip
+                                            ("sequence_truncate", "cispo"), ("sequence_mask", "sapo"),
+                                            ("sequence_truncate", "luspo"), ("token_truncate", "vespo"),
+                                            ("token_mask", "vespo")])  # fmt: skip
 def test_vllm_importance_sampling_ratio_applied_as_trl(model_dir, mode, loss_type):
-    """TRL's ratio (truncated or masked, zeros included) multiplies the policy term before the KL, in both."""
+    """TRL's ratio (truncated or masked, zeros included) multiplies the policy term before the KL, in both; vespo
+    folds it into its phi (its clamped logs summed over every position, padding included: the ratios here are
+    random there too)."""
     kw = dict(loss_type=loss_type, beta=0.04, num_iterations=2, vllm_importance_sampling_mode=mode)
     fused, native = make_trainer(FusedGRPOTrainer, model_dir, **kw), make_trainer(trl.GRPOTrainer, model_dir, **kw)
     inputs = shared_inputs(native)
@@ -272,6 +282,9 @@ def test_vllm_importance_sampling_ratio_applied_as_trl(model_dir, mode, loss_typ
     shape = old.shape if mode.startswith("token") else (old.shape[0], 1)
     ratio = torch.rand(shape) * 2.5
     ratio[ratio < 0.4] = 0.0  # what the *_mask modes produce
+    if loss_type == "vespo":  # one zero puts log 1e-8 into its sequence's sum, so phi ~ 0: zeros in one row only
+        ratio = torch.exp(0.3 * torch.randn(shape))
+        ratio[0, 1] = 0.0 if mode == "token_mask" else ratio[0, 1]
     inputs["importance_sampling_ratio"] = ratio
     for trainer in (fused, native):
         trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True  # the loss-side switch only
@@ -319,7 +332,8 @@ def test_use_grpo_kernels_swaps_the_instance_loss_only(model_dir):
 
 
 @pytest.mark.parametrize("overrides,named", [
-    (dict(loss_type="vespo"), "loss_type='vespo'"), (dict(loss_type="luspo"), "loss_type='luspo'"),
+    (dict(loss_type="vespo", top_entropy_quantile=0.5), "loss_type='vespo' with top_entropy_quantile=0.5"),
+    (dict(loss_type="vespo", off_policy_mask_threshold=0.1), "off_policy_mask_threshold=0.1"),
 ])  # fmt: skip
 def test_unfused_config_options_raise_naming_the_option(model_dir, overrides, named):
     with pytest.raises(NotImplementedError, match=named.replace("(", r"\(")):

@@ -21,7 +21,10 @@ importance-sampling correction (TRL's ratio, already truncated / masked, multipl
 KL is added: passed as sampler log-probs old - log(ratio) with an inert cap), cast_lm_head_to_fp32, TRL's
 normalizers (gradient accumulation, num_items_in_batch over processes and steps_per_generation), tool masks.
 mask_truncated_completions acts on the completion mask before the loss. The logged metrics are TRL's names:
-kl, entropy, clip_ratio/{low_mean,high_mean,region_mean,low_min,high_max} or cispo_clip_ratio. The per-sequence
+kl, entropy, clip_ratio/{low_mean,high_mean,region_mean,low_min,high_max} (also for luspo), cispo_clip_ratio or
+vespo/phi_seq_mean. vespo takes TRL's importance_sampling_ratio (whenever the inputs hold one, as TRL) into its
+gamma weight: the sum of its clamped logs over each sequence's positions, spread over the sequence's tokens as
+sampler log-probs (see `fused_linear.vespo_sampler_logps`). The per-sequence
 low_min / high_max need per-token ratios: on-policy they are exactly 1; with old log-probs they cost one extra
 no-grad `fused_linear_logprobs` pass (one more [T, H] x [H, V] matmul).
 
@@ -37,8 +40,10 @@ logged as TRL does). A soft-capped head (Gemma 2's final_logit_softcapping) is c
 scale (Cohere's logit_scale, Granite's logits_scaling, ...) is folded into the temperature.
 
 What the fused loss does not compute raises NotImplementedError at construction, naming the option: loss_type
-"luspo" / "vespo", a router auxiliary loss the model computes otherwise, a PEFT adapter on the LM head, DeepSpeed
-ZeRO-3, vision-language models, a head that is not a plain linear layer (see `hf.check_plain_head`).
+"vespo" with top_entropy_quantile < 1 or off_policy_mask_threshold (those masks would have to scale vespo's policy
+term apart from its sampler weights), a router auxiliary loss the model computes otherwise, a PEFT adapter on the
+LM head, DeepSpeed ZeRO-3, vision-language models, a head that is not a plain linear layer (see
+`hf.check_plain_head`).
 """
 
 import functools
@@ -51,15 +56,15 @@ from accelerate.utils import is_peft_model
 from trl import GRPOTrainer
 from trl.trainer.utils import nanmax, nanmin
 
-from ..fused_linear import fused_linear_grpo_loss, fused_linear_logprobs
+from ..fused_linear import fused_linear_grpo_loss, fused_linear_logprobs, vespo_sampler_logps
 from ..options import LossOptions
 from .hf import backbone, check_plain_head, head_inputs, lm_head, logit_multiplier, logit_softcap
 
 __all__ = ["FusedGRPOTrainer", "check_config", "use_grpo_kernels"]
 
-CLIP_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo")
-FUSED_LOSSES = (*CLIP_LOSSES, "cispo", "sapo")
-TOKEN_SUM_LOSSES = ("dapo", "cispo")  # TRL divides their masked sum by num_items_in_batch (see _normalizer)
+CLIP_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+FUSED_LOSSES = (*CLIP_LOSSES, "cispo", "sapo", "vespo")
+TOKEN_SUM_LOSSES = ("dapo", "cispo", "vespo")  # TRL divides their masked sum by num_items_in_batch (see _normalizer)
 _HEAD_KWARG = "grpo_kernels_head"
 
 
@@ -85,6 +90,12 @@ def check_config(args=None, peft_config=None) -> None:
     if args.loss_type not in FUSED_LOSSES:
         raise NotImplementedError(
             f"loss_type={args.loss_type!r} is not fused by grpo_kernels (supported: {', '.join(FUSED_LOSSES)})"
+        )
+    if args.loss_type == "vespo" and (args.top_entropy_quantile < 1.0 or args.off_policy_mask_threshold is not None):
+        raise NotImplementedError(
+            f"loss_type='vespo' with top_entropy_quantile={args.top_entropy_quantile} / off_policy_mask_threshold="
+            f"{args.off_policy_mask_threshold}: the fused loss carries those masks as sampler weights, which vespo "
+            "folds into its phi instead of its policy term"
         )
 
 
@@ -144,7 +155,10 @@ def _router_aux_loss_function(model, coef=None):
 def _loss_options(trainer, inputs, old, mask) -> dict:
     """fused_linear_grpo_loss's keyword arguments for this micro-batch (num_items_in_batch: see _normalizer)."""
     args = trainer.args
-    sampler = trainer.use_vllm and trainer.vllm_importance_sampling_correction
+    vespo = trainer.loss_type == "vespo"
+    # TRL: vespo reads the ratio whenever the inputs hold one; the others only with the vLLM correction on.
+    sampler = "importance_sampling_ratio" in inputs if vespo else (
+        trainer.use_vllm and trainer.vllm_importance_sampling_correction)  # fmt: skip
     # TRL multiplies the policy term by its ratio (truncated or masked already). As sampler log-probs
     # old - log(ratio), the kernel's exp(old - sampler) is that ratio; the cap (float32 max) never binds.
     options = LossOptions(
@@ -153,10 +167,14 @@ def _loss_options(trainer, inputs, old, mask) -> dict:
         importance_sampling_level=trainer.importance_sampling_level,
         max_completion_length=trainer.max_completion_length, use_bias_correction_kl=args.use_bias_correction_kl,
         sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
+        vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg,
+        vespo_lambda_neg=args.vespo_lambda_neg,
         **(dict(sampler_is_mode="token_truncate", sampler_is_cap=torch.finfo(torch.float32).max) if sampler else {}),
     )  # fmt: skip
     sampler_logps = None
-    if sampler:  # log(0) is floored at -1e4, whose exp is exactly 0
+    if sampler and vespo:  # into phi: each sequence's clamped log-ratio sum (TRL computes old with vLLM)
+        sampler_logps = vespo_sampler_logps(old, mask, inputs["importance_sampling_ratio"])
+    elif sampler:  # log(0) is floored at -1e4, whose exp is exactly 0
         log_ratio = torch.log(inputs["importance_sampling_ratio"].float()).clamp(min=-1e4).expand_as(old)
         sampler_logps = old - log_ratio
     return dict(
@@ -324,6 +342,9 @@ def _log_metrics(trainer, mode, metrics, mask, advantages, logps, old) -> None:
         log["clip_ratio/high_max"].append(nanmax(trainer.accelerator.gather(_seq_mean(high, mask))).item())
     elif trainer.loss_type == "cispo":
         log["cispo_clip_ratio"].append(global_mean(metrics["cispo_clip_ratio"], count))
+    elif trainer.loss_type == "vespo":  # phi is one value per sequence (per token with per-token advantages)
+        phi_count = per_seq if advantages.dim() == 1 else tokens
+        log["vespo/phi_seq_mean"].append(global_mean(metrics["vespo/phi_seq_mean"], phi_count))
 
 
 def _clip_flags(trainer, mask, advantages, logps, old):

@@ -149,15 +149,17 @@ def _logprobs_variants() -> list[KernelVariant]:
 def _loss_variants() -> list[KernelVariant]:
     tiles = {"BLOCK": loss.BLOCK, "CHUNK": loss.CHUNK}
     variants = []
-    for dtype, has_old, has_sampler, has_mask in [("fp32", True, True, True), ("bf16", False, False, False)]:
+    for dtype, has_old, has_sampler, has_mask, vespo in [("fp32", True, True, True, False),
+                                                         ("bf16", False, False, False, False),
+                                                         ("fp32", True, True, True, True)]:  # fmt: skip
         sig = {
             "logp_ptr": f"*{dtype}", "old_ptr": "*fp32", "sampler_ptr": "*fp32", "mask_ptr": "*fp32",
-            "cu_ptr": "*i64", "partial_ptr": "*fp32", "num_chunks": "i32",
-            "HAS_OLD": "constexpr", "HAS_SAMPLER": "constexpr", "HAS_MASK": "constexpr", "BLOCK": "constexpr",
-            "CHUNK": "constexpr",
+            "cu_ptr": "*i64", "partial_ptr": "*fp32", "num_chunks": "i32", "sampler_cap": "fp32",
+            "sampler_truncate": "i32", "HAS_OLD": "constexpr", "HAS_SAMPLER": "constexpr", "HAS_MASK": "constexpr",
+            "VESPO": "constexpr", "BLOCK": "constexpr", "CHUNK": "constexpr",
         }  # fmt: skip
-        flags = {"HAS_OLD": has_old, "HAS_SAMPLER": has_sampler, "HAS_MASK": has_mask}
-        label = f"{dtype},old={has_old},sampler={has_sampler},mask={has_mask}"
+        flags = {"HAS_OLD": has_old, "HAS_SAMPLER": has_sampler, "HAS_MASK": has_mask, "VESPO": vespo}
+        label = f"{dtype},old={has_old},sampler={has_sampler},mask={has_mask},vespo={vespo}"
         variants.append(KernelVariant(kernel=loss._grpo_seq_stats_kernel, label=label, signature=sig,
                                       constexprs={**flags, **tiles}, num_warps=loss.NUM_WARPS))  # fmt: skip
     for dtype, family, seq, old, kl, sampler, mask, per_token in [
@@ -165,10 +167,13 @@ def _loss_variants() -> list[KernelVariant]:
         ("bf16", "grpo", True, True, True, True, True, True),
         ("fp32", "cispo", False, True, True, True, True, False),
         ("bf16", "sapo", False, False, False, True, False, False),
+        ("fp32", "vespo", False, True, True, True, True, False),
+        ("bf16", "vespo", True, True, True, True, True, True),
     ]:
         sig = {
             "logp_ptr": f"*{dtype}", "old_ptr": "*fp32", "ref_ptr": "*fp32", "sampler_ptr": "*fp32", "adv_ptr": "*fp32",
-            "mask_ptr": "*fp32", "cu_ptr": "*i64", "seq_logw_ptr": "*fp32", "seq_is_ptr": "*fp32", "coef_ptr": "*fp32",
+            "mask_ptr": "*fp32", "cu_ptr": "*i64", "seq_logw_ptr": "*fp32", "seq_is_ptr": "*fp32",
+            "seq_phi_ptr": "*fp32", "coef_ptr": "*fp32",
             "partial_ptr": "*fp32", "num_chunks": "i32", "eps_low": "fp32", "eps_high": "fp32", "delta": "fp32",
             "beta": "fp32", "bias_kl": "i32", "sampler_cap": "fp32", "sampler_truncate": "i32",
             "sampler_per_seq": "i32", "tau_pos": "fp32", "tau_neg": "fp32",

@@ -5,30 +5,37 @@ sequence s owns tokens cu_seqlens[s] .. cu_seqlens[s+1]. A program handles CHUNK
 (grid axis 0 = num_seqs * num_chunks, so any T up to 2^31 - 1) and writes per-(sequence, chunk) partial sums,
 which are added in a fixed order afterwards: the forward is deterministic, with no atomics.
 
-    forward  (1) only for GSPO or a sequence-level sampler correction: per-sequence sums of m (logp - old),
-                 m and m (old - sampler), turned into the sequence's log-ratio and sampler weight;
+    forward  (1) only for GSPO, a sequence-level sampler correction or vespo: per-sequence sums of m (logp - old),
+                 m and m (old - sampler), turned into the sequence's log-ratio and sampler weight, and for vespo
+                 sum m clamp(logp - old, +-20) (+ the sampler weights' clamped logs), turned (in fp64, on [B]) into
+                 VESPO's two gamma weights phi_s (for A >= 0 and A < 0), a detached per-sequence scale;
              (2) per token: the loss term l_t and the token's own derivative, stored as one fp32 coefficient
                  coef_t = m_t dl_t/dlogp_t (token level) or m_t (the direct part) (sequence level), plus the
-                 partial sums of m l, m, m dl/dw (GSPO), and the metric numerators.
+                 partial sums of m l, m, m dl/dw (GSPO), and the metric numerators (vespo: m phi in the clip_low
+                 column; no clip flags).
     backward d loss / d logp_t = a_s coef_t + b_s m_t, one elementwise pass: a_s = d loss / d (sum_t m l) of the
              sequence (the normalizer, from autograd on the [B] sums) and, for GSPO, b_s = a_s w_s S_s / n_s
              with S_s = sum_t m dl/dw_s.
 
 The op returns stats [B, NUM_STATS] (per sequence: the columns named in STATS) and coef [T]; `finish` turns stats
-into the loss with TRL's normalizer and into the metrics. `grpo_loss_fwd` (the op's inputs, the scalars as
-options.KernelScalars) is the one way in, for the public function, the fused LM head and torch.compile.
-Hyperparameters (epsilons, delta, beta, the sampler cap, the SAPO temperatures) are runtime arguments; the
-constexprs are the loss family and which inputs exist. Everything is computed in fp32.
+into the loss with TRL's normalizer (luspo: the family-0 kernel, its own normalizer) and into the metrics.
+`grpo_loss_fwd` (the op's inputs, the scalars as options.KernelScalars) is the one way in, for the public function,
+the fused LM head and torch.compile. Hyperparameters (epsilons, delta, beta, the sampler cap, the SAPO temperatures,
+VESPO's k and lambda) are runtime arguments; the constexprs are the loss family and which inputs exist. Everything
+is computed in fp32.
 
 Non-finite values (the behaviour grpo_kernels.grpo_loss documents). A NaN in logp, old, the advantage or (KL on)
 ref of a token with m != 0 makes its loss term and its coef NaN (min / clamp propagate NaN, as torch's do; at
-sequence level the whole sequence's); a token with m == 0 adds exactly nothing, whatever its inputs. A ratio
+sequence level the whole sequence's); a token with m == 0 adds exactly nothing, whatever its inputs. vespo follows
+TRL's nan_to_num of phi: a NaN in a sequence's ratio zeroes its phi, so its policy gradient is 0 (-phi A), while a
+NaN logp still makes its loss term NaN. A ratio
 beyond fp32 (w = inf for log w > 88.72) never meets an exact zero as inf * 0 = NaN: a clipped branch, a zero
 advantage, derivative or sampler weight gives 0 as in exact arithmetic (a clipped token's gradient is 0); only a
 value that itself exceeds fp32 (the unclipped -w A with A < 0 and no delta) is inf. The KL term takes
 beta exp(ref - logp) (times w with the bias correction) as one exp, finite wherever that product is.
 """
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -42,14 +49,17 @@ from ._triton import require_triton_device
 __all__ = ["LOSS_FAMILIES", "NUM_STATS", "SAMPLER_MODES", "STATS", "finish", "flat_input", "grpo_loss_fwd"]
 
 # Columns of the per-sequence stats. The kernel writes the first NUM_KERNEL_STATS; the launcher appends the
-# sequence's log importance weight (GSPO; 0 at token level).
+# sequence's log importance weight (GSPO; 0 at token level) and vespo's phi of the sequence's advantage (0 otherwise).
 STATS = ("loss", "count", "dl_dw", "clip_low", "clip_high", "clip_region", "ratio", "kl", "sampler_abs_diff",
-         "log_w")  # fmt: skip
+         "log_w", "phi")  # fmt: skip
 NUM_KERNEL_STATS = 9
 NUM_STATS = len(STATS)
 BLOCK = 1024
 CHUNK = 4 * BLOCK
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
+LOG_1E_8 = tl.constexpr(-18.420680743952367)  # VESPO's floor on log ratios (TRL: log(1e-8))
+NUM_SEQ_SUMS = 5  # per (sequence, chunk) sums of the first pass
+_SEQ_SUMS = tl.constexpr(NUM_SEQ_SUMS)
 NUM_WARPS = 8
 
 
@@ -81,11 +91,13 @@ def _sampler_weight(diff, cap, truncate):
 
 @triton.jit
 def _grpo_seq_stats_kernel(
-    logp_ptr, old_ptr, sampler_ptr, mask_ptr, cu_ptr, partial_ptr, num_chunks,
-    HAS_OLD: tl.constexpr, HAS_SAMPLER: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr,
-    CHUNK: tl.constexpr,
+    logp_ptr, old_ptr, sampler_ptr, mask_ptr, cu_ptr, partial_ptr, num_chunks, sampler_cap, sampler_truncate,
+    HAS_OLD: tl.constexpr, HAS_SAMPLER: tl.constexpr, HAS_MASK: tl.constexpr, VESPO: tl.constexpr,
+    BLOCK: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """Per (sequence, chunk): sum m (logp - old), sum m, sum nan_to_num(m (old - sampler))."""
+    """Per (sequence, chunk): sum m (logp - old), sum m, sum nan_to_num(m (old - sampler)), and for VESPO
+    sum m clamp(logp - old, -20, 20) and, over every position, sum clamp(log r, log 1e-8, 20) of the token sampler
+    weight r (NaN propagates, as torch.clamp)."""
     pid = tl.program_id(0).to(tl.int64)
     seq = pid // num_chunks
     start = tl.load(cu_ptr + seq).to(tl.int64)
@@ -94,6 +106,10 @@ def _grpo_seq_stats_kernel(
     acc_lr = tl.zeros((BLOCK,), dtype=tl.float32)
     acc_n = tl.zeros((BLOCK,), dtype=tl.float32)
     acc_is = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_v = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_vis = tl.zeros((BLOCK,), dtype=tl.float32)
+    if VESPO and HAS_SAMPLER:
+        log_cap = tl.log(sampler_cap)
     for i in range(0, CHUNK, BLOCK):
         offs = chunk_start + i + tl.arange(0, BLOCK)
         inb = offs < end
@@ -107,15 +123,23 @@ def _grpo_seq_stats_kernel(
             d = (old - tl.load(sampler_ptr + offs, mask=inb, other=0.0)) * m
             d = tl.where(d != d, 0.0, tl.minimum(tl.maximum(d, -FLT_MAX), FLT_MAX))
             acc_is += tl.where(inb, d, 0.0)
-    out = partial_ptr + pid * 3
+            if VESPO:  # log f(d): min(d, log cap) truncated, or d / -inf (floored) above the cap with a mask
+                over = tl.exp(d) > sampler_cap
+                log_r = tl.where(sampler_truncate != 0, tl.minimum(d, log_cap), tl.where(over, LOG_1E_8, d))
+                acc_vis += tl.where(inb, tl.minimum(tl.maximum(log_r, LOG_1E_8), 20.0), 0.0)
+        if VESPO:
+            acc_v += tl.where(on, _min(_max(lp - old, -20.0), 20.0) * m, 0.0)
+    out = partial_ptr + pid * _SEQ_SUMS
     tl.store(out, tl.sum(acc_lr, axis=0))
     tl.store(out + 1, tl.sum(acc_n, axis=0))
     tl.store(out + 2, tl.sum(acc_is, axis=0))
+    tl.store(out + 3, tl.sum(acc_v, axis=0))
+    tl.store(out + 4, tl.sum(acc_vis, axis=0))
 
 
 @triton.jit
 def _grpo_loss_fwd_kernel(
-    logp_ptr, old_ptr, ref_ptr, sampler_ptr, adv_ptr, mask_ptr, cu_ptr, seq_logw_ptr, seq_is_ptr,
+    logp_ptr, old_ptr, ref_ptr, sampler_ptr, adv_ptr, mask_ptr, cu_ptr, seq_logw_ptr, seq_is_ptr, seq_phi_ptr,
     coef_ptr, partial_ptr, num_chunks,
     eps_low, eps_high, delta, beta, bias_kl, sampler_cap, sampler_truncate, sampler_per_seq, tau_pos, tau_neg,
     LOSS: tl.constexpr, SEQ_LEVEL: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr,
@@ -131,6 +155,9 @@ def _grpo_loss_fwd_kernel(
         seq_logw = tl.load(seq_logw_ptr + seq)
     if HAS_SAMPLER:
         seq_is = tl.load(seq_is_ptr + seq)
+    if LOSS == 3:
+        phi_pos = tl.load(seq_phi_ptr + 2 * seq)
+        phi_neg = tl.load(seq_phi_ptr + 2 * seq + 1)
     if not ADV_PER_TOKEN:
         seq_adv = tl.load(adv_ptr + seq)
     if HAS_KL:
@@ -176,7 +203,7 @@ def _grpo_loss_fwd_kernel(
             direct = -cw * adv
             low = (w > eps_high) & (adv > 0.0)
             high = low & (adv < 0.0)  # never: cispo reports one clip fraction, in the "low" column
-        else:  # sapo: -(4 / tau) sigmoid(tau (w - 1)) A, tau by the sign of A
+        elif LOSS == 2:  # sapo: -(4 / tau) sigmoid(tau (w - 1)) A, tau by the sign of A
             tau = tl.where(adv > 0.0, tau_pos, tau_neg)
             z = tau * (w - 1.0)
             # sigmoid(z) and sigmoid(-z) from one exp(-|z|): the gate's derivative sg (1 - sg) keeps its
@@ -190,13 +217,19 @@ def _grpo_loss_fwd_kernel(
             direct = tl.zeros_like(lp)
             low = (w < 1.0 - eps_low) & (adv < 0.0)
             high = (w > 1.0 + eps_high) & (adv > 0.0)
+        else:  # vespo: -phi A logp, phi the sequence's detached gamma weight for the sign of A (NaN A: A < 0)
+            phi = tl.where(adv >= 0.0, phi_pos, phi_neg)
+            pol = -phi * adv * lp
+            dpol_dw = tl.zeros_like(lp)
+            direct = -phi * adv
         if HAS_SAMPLER:
             sampler = tl.load(sampler_ptr + offs, mask=inb, other=0.0)
-            r_tok = _sampler_weight((old - sampler) * m, sampler_cap, sampler_truncate)
-            r = tl.where(sampler_per_seq != 0, seq_is, r_tok)
-            pol = tl.where((r == 0.0) & (pol == pol), 0.0, pol * r)  # a zeroed token adds 0, even if pol = inf
-            dpol_dw = dpol_dw * r
-            direct = direct * r
+            if LOSS != 3:  # vespo's sampler weights are in phi
+                r_tok = _sampler_weight((old - sampler) * m, sampler_cap, sampler_truncate)
+                r = tl.where(sampler_per_seq != 0, seq_is, r_tok)
+                pol = tl.where((r == 0.0) & (pol == pol), 0.0, pol * r)  # a zeroed token adds 0, even if pol = inf
+                dpol_dw = dpol_dw * r
+                direct = direct * r
             diff = tl.abs(lp - sampler)
             acc_diff += tl.where(on & (diff == diff), m * tl.minimum(diff, FLT_MAX), 0.0)  # nan_to_num
         if HAS_KL:  # beta k3 k, k3 = exp(ref - logp) - (ref - logp) - 1, k = w with the bias correction, else 1
@@ -224,13 +257,18 @@ def _grpo_loss_fwd_kernel(
             acc_dw += tl.where(on, m * dpol_dw, 0.0)
         else:
             coef = m * (_times_w(dpol_dw, w) + direct)
-        coef = tl.where(on, tl.where(pol != pol, pol, coef), 0.0)  # a NaN loss term has a NaN gradient
+        if LOSS != 3:  # a NaN loss term has a NaN gradient (vespo's -phi A is its gradient even for a NaN logp)
+            coef = tl.where(pol != pol, pol, coef)
+        coef = tl.where(on, coef, 0.0)
         tl.store(coef_ptr + offs, coef, mask=inb)
         acc_loss += tl.where(on, m * pol, 0.0)
         acc_n += m
-        acc_low += tl.where(on & low, m, 0.0)
-        acc_high += tl.where(on & high, m, 0.0)
-        acc_region += tl.where(on & (low | high), m, 0.0)
+        if LOSS == 3:
+            acc_low += tl.where(on, m * phi, 0.0)
+        else:
+            acc_low += tl.where(on & low, m, 0.0)
+            acc_high += tl.where(on & high, m, 0.0)
+            acc_region += tl.where(on & (low | high), m, 0.0)
         acc_ratio += tl.where(on, m * w, 0.0)
     out = partial_ptr + pid * 9
     tl.store(out, tl.sum(acc_loss, axis=0))
@@ -281,9 +319,28 @@ def _sampler_weights(partial_is: torch.Tensor, cap: float, truncate: bool) -> to
     return r.clamp(max=cap) if truncate else r.masked_fill(r > cap, 0.0)
 
 
+def vespo_weights(log_sum: torch.Tensor, k_pos: float, lam_pos: float, k_neg: float, lam_neg: float) -> torch.Tensor:
+    """[B] sums S_s (clamped log-ratios, + the sampler weights' logs) -> [B, 2] fp32 gamma weights phi_s for A >= 0
+    and A < 0: exp(lam + k log v - lam v), log v = clamp(S, log 1e-8, 20), NaN / inf -> 0 (lam as floored by the
+    options). Computed in fp64."""
+    log_v = log_sum.double().clamp(math.log(1e-8), 20.0)[:, None]
+    k = log_v.new_tensor([k_pos, k_neg])
+    lam = log_v.new_tensor([lam_pos, lam_neg])
+    phi = torch.exp(lam + k * log_v - lam * log_v.exp())
+    return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).float().contiguous()
+
+
+def per_sequence_phi(phi: torch.Tensor, adv: torch.Tensor, adv_per_token: bool) -> torch.Tensor:
+    """The stats column "phi": each sequence's phi for its advantage's sign (0 with per-token advantages)."""
+    if adv_per_token:
+        return torch.zeros_like(phi[:, 0])
+    return torch.where(adv >= 0, phi[:, 0], phi[:, 1])
+
+
 def grpo_loss_fwd_triton(
     logps, old, ref, sampler, adv, adv_per_token, mask, cu_seqlens, max_seqlen, loss_family, seq_level, sampler_mode,
-    eps_low, eps_high, delta, beta, bias_kl, sampler_cap, tau_pos, tau_neg,
+    eps_low, eps_high, delta, beta, bias_kl, sampler_cap, tau_pos, tau_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+    vespo_lambda_neg,
 ):  # fmt: skip
     """Flat [T] inputs -> (stats [B, NUM_STATS] f32, coef [T] f32). See the module docstring."""
     require_triton_device(_grpo_loss_fwd_kernel, logps)
@@ -296,31 +353,37 @@ def grpo_loss_fwd_triton(
     seq_logw = torch.zeros(b, dtype=f32, device=dev)
     seq_is = torch.ones(b, dtype=f32, device=dev)
     seq_sampler = sampler is not None and sampler_mode >= 2
-    if seq_level or seq_sampler:
-        part = torch.empty(b, chunks, 3, dtype=f32, device=dev)
+    vespo = loss_family == 3
+    seq_phi = seq_is  # (unread unless vespo)
+    if seq_level or seq_sampler or vespo:
+        part = torch.empty(b, chunks, NUM_SEQ_SUMS, dtype=f32, device=dev)
         if b:
             _grpo_seq_stats_kernel[grid](
                 logps, dummy if old is None else old, dummy if sampler is None else sampler,
-                dummy if mask is None else mask, cu_seqlens, part, chunks, **flags, BLOCK=BLOCK, CHUNK=CHUNK,
-                num_warps=NUM_WARPS,
+                dummy if mask is None else mask, cu_seqlens, part, chunks, sampler_cap, int(sampler_mode in (0, 2)),
+                **flags, VESPO=vespo, BLOCK=BLOCK, CHUNK=CHUNK, num_warps=NUM_WARPS,
             )  # fmt: skip
         sums = part.sum(1)
         if seq_level:
             seq_logw = sums[:, 0] / sums[:, 1].clamp(min=1.0)
         if seq_sampler:
             seq_is = _sampler_weights(sums[:, 2], sampler_cap, sampler_mode == 2)
+        if vespo:
+            seq_phi = vespo_weights(sums[:, 3] + sums[:, 4], vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+                                    vespo_lambda_neg)  # fmt: skip
     coef = torch.empty(t, dtype=f32, device=dev)
     part = torch.empty(b, chunks, NUM_KERNEL_STATS, dtype=f32, device=dev)
     if b:
         _grpo_loss_fwd_kernel[grid](
             logps, dummy if old is None else old, dummy if ref is None else ref, dummy if sampler is None else sampler,
-            adv, dummy if mask is None else mask, cu_seqlens, seq_logw, seq_is, coef, part, chunks,
+            adv, dummy if mask is None else mask, cu_seqlens, seq_logw, seq_is, seq_phi, coef, part, chunks,
             eps_low, eps_high, delta, beta, int(bias_kl), sampler_cap, int(sampler_mode in (0, 2)),
             int(seq_sampler), tau_pos, tau_neg,
             LOSS=loss_family, SEQ_LEVEL=seq_level, HAS_KL=ref is not None, ADV_PER_TOKEN=adv_per_token,
             **flags, BLOCK=BLOCK, CHUNK=CHUNK, num_warps=NUM_WARPS,
         )  # fmt: skip
-    return torch.cat([part.sum(1), seq_logw[:, None]], dim=1), coef
+    phi_col = per_sequence_phi(seq_phi, adv, adv_per_token) if vespo else torch.zeros_like(seq_logw)
+    return torch.cat([part.sum(1), seq_logw[:, None], phi_col[:, None]], dim=1), coef
 
 
 def grpo_loss_bwd_triton(a, b_coef, coef, mask, cu_seqlens, max_seqlen, seq_level, out_dtype):
@@ -360,26 +423,34 @@ def grpo_loss_fwd_op(
     sampler_cap: float,
     tau_pos: float,
     tau_neg: float,
+    vespo_k_pos: float,
+    vespo_lambda_pos: float,
+    vespo_k_neg: float,
+    vespo_lambda_neg: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat inputs (logps [T] f32/bf16/f16; the others f32 contiguous; advantages [B], or [T] with adv_per_token;
     cu_seqlens int64
     [B + 1]) -> (stats [B, NUM_STATS], coef [T]). `delta` is +inf for no two-sided clamp; `sampler_mode` indexes
-    SAMPLER_MODES (ignored without sampler_logps); `ref_logps` is given exactly when the KL term is on."""
+    SAMPLER_MODES (ignored without sampler_logps); `ref_logps` is given exactly when the KL term is on; the VESPO
+    lambdas are floored (at 1e-4) already."""
     return grpo_loss_fwd_triton(
         logps, old_logps, ref_logps, sampler_logps, advantages, adv_per_token, mask, cu_seqlens, max_seqlen,
         loss_family, seq_level, sampler_mode, eps_low, eps_high, delta, beta, bias_kl, sampler_cap, tau_pos, tau_neg,
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg,
     )  # fmt: skip
 
 
 @grpo_loss_fwd_op.register_kernel("cpu")
 def _grpo_loss_fwd_cpu(
     logps, old_logps, ref_logps, sampler_logps, advantages, adv_per_token, mask, cu_seqlens, max_seqlen, loss_family,
-    seq_level, sampler_mode, eps_low, eps_high, delta, beta, bias_kl, sampler_cap, tau_pos, tau_neg,
+    seq_level, sampler_mode, eps_low, eps_high, delta, beta, bias_kl, sampler_cap, tau_pos, tau_neg, vespo_k_pos,
+    vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg,
 ):  # fmt: skip
     del max_seqlen  # it only sizes the Triton grid
     return _C.grpo_loss_fwd(
         logps, old_logps, ref_logps, sampler_logps, advantages, adv_per_token, mask, cu_seqlens, loss_family,
-        seq_level, sampler_mode, eps_low, eps_high, delta, beta, bias_kl, sampler_cap, tau_pos, tau_neg,
+        seq_level, sampler_mode, eps_low, eps_high, delta, beta, bias_kl, sampler_cap, tau_pos, tau_neg, vespo_k_pos,
+        vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg,
     )  # fmt: skip
 
 
@@ -509,6 +580,8 @@ def finish(stats, advantages_per_seq, options: LossOptions, *, sampler: bool, cu
     loss_sums = stats[:, 0]
     if loss_type in ("grpo", "sapo"):
         loss = (loss_sums / plain[:, 1].clamp(min=1.0)).sum() / b
+    elif loss_type == "luspo":
+        loss = loss_sums.sum() / b
     elif loss_type == "bnpo":
         loss = loss_sums.sum() / tokens
     elif loss_type == "dr_grpo":
@@ -519,10 +592,12 @@ def finish(stats, advantages_per_seq, options: LossOptions, *, sampler: bool, cu
     else:
         loss = loss_sums.sum() / torch.as_tensor(num_items_in_batch).to(totals).clamp(min=1.0)
     low, high, region, ratio, kl, sampler_diff = (totals[3:9] / tokens).unbind()
+    if loss_type == "vespo" and advantages_per_seq is not None:  # TRL: phi is [B, 1], its mean is over sequences
+        low = plain[:, STATS.index("phi")].mean()
     if options.seq_level:  # the ratio is one value per sequence (TRL: a [B, 1] tensor), so are the clip flags if A is
         w = plain[:, STATS.index("log_w")].exp()
         ratio = w.mean()
-        if advantages_per_seq is not None:
+        if advantages_per_seq is not None and loss_type != "vespo":
             a = advantages_per_seq.detach().float()
             eps_low, eps_high, delta = options.epsilon_low, options.epsilon_high, options.delta
             if loss_type == "cispo":
@@ -531,6 +606,6 @@ def finish(stats, advantages_per_seq, options: LossOptions, *, sampler: bool, cu
                 w_m = w if delta is None or loss_type == "sapo" else w.clamp(max=delta)
                 flags = torch.stack([(w_m < 1 - eps_low) & (a < 0), (w_m > 1 + eps_high) & (a > 0)])
                 low, high, region = torch.cat([flags, flags.any(0, keepdim=True)]).float().mean(1).unbind()
-    values = [low, ratio] if loss_type == "cispo" else [low, high, region, ratio]
+    values = [low, ratio] if loss_type in ("cispo", "vespo") else [low, high, region, ratio]
     values += [kl] * (options.beta != 0.0) + [sampler_diff] * sampler
     return loss, dict(zip(options.metric_names(sampler=sampler), values, strict=True))

@@ -319,7 +319,7 @@ class LossConfig:
     section: ClassVar[str] = "loss"
 
     loss_type: str = "dapo"
-    """Aggregation/objective: "grpo", "bnpo", "dr_grpo", "dapo", "cispo" or "sapo"."""
+    """Aggregation/objective: "grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo" or "vespo"."""
     epsilon_low: float = 0.2
     """Lower clip: the ratio is clipped at 1 - epsilon_low; 0 <= epsilon_low < 1."""
     epsilon_high: float = 0.2
@@ -343,6 +343,14 @@ class LossConfig:
     """SAPO's gate temperature for positive advantages (> 0)."""
     sapo_temperature_neg: float = 1.05
     """SAPO's gate temperature for negative advantages (> 0)."""
+    vespo_k_pos: float = 2.0
+    """VESPO's power k for advantages >= 0 (>= 0)."""
+    vespo_lambda_pos: float = 3.0
+    """VESPO's decay rate lambda for advantages >= 0 (>= 0; floored at 1e-4)."""
+    vespo_k_neg: float = 3.0
+    """VESPO's power k for negative advantages (>= 0)."""
+    vespo_lambda_neg: float = 2.0
+    """VESPO's decay rate lambda for negative advantages (>= 0; floored at 1e-4)."""
 
     def __post_init__(self):
         _validate(self)

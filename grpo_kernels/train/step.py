@@ -119,7 +119,7 @@ def grpo_step(policy, optimizer, rollout: Rollout, *, loss_options: dict, temper
             if ref_policy is None:
                 raise ValueError("loss.beta > 0 needs a reference policy")
             ref = [completion_logprobs(ref_policy, p, temperature=temperature) for _, p, _ in micro]
-        if loss_type in ("dapo", "cispo"):
+        if loss_type in ("dapo", "cispo", "vespo"):
             options["num_items_in_batch"] = total_tokens
         is_mode = options.pop("sampler_is_mode", None)
         policy.train()
@@ -134,7 +134,7 @@ def grpo_step(policy, optimizer, rollout: Rollout, *, loss_options: dict, temper
                                cu_seqlens=packed.completion_cu_seqlens, old_logps=None if old is None else old[k],
                                ref_logps=None if ref is None else ref[k], **options, **extra)  # fmt: skip
                 share = len(samples) / n
-                weight = {"grpo": share, "sapo": share, "dapo": 1.0, "cispo": 1.0}.get(
+                weight = {"grpo": share, "sapo": share, "luspo": share, "dapo": 1.0, "cispo": 1.0, "vespo": 1.0}.get(
                     loss_type, 1.0 / (len(micro) * dist.world)
                 ) if samples else 0.0  # fmt: skip
                 (loss * (weight * dist.world)).backward()  # FSDP2 averages gradients over ranks

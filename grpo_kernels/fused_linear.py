@@ -16,6 +16,7 @@ first, then the loss and its g, then the logits are recomputed per chunk (four m
 """
 
 import math
+import warnings
 from functools import partial
 
 import torch
@@ -491,6 +492,7 @@ class FusedLinearGRPOLoss(torch.nn.Module):
                  use_bias_correction_kl=False, chunk_tokens="auto", **vespo):  # fmt: skip
         super().__init__()
         self.kl_slot = beta != 0.0  # Liger returns [kl, clip] whenever beta != 0, [0, clip] without a reference
+        self.use_ref_model = use_ref_model
         unknown = set(vespo) - {"vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"}
         if unknown:
             raise TypeError(f"FusedLinearGRPOLoss got unknown argument(s) {sorted(unknown)}")
@@ -509,6 +511,9 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         if loss_type == "vespo" and self.options.seq_level:
             raise ValueError("loss_type='vespo' takes importance_sampling_level='token' only (its phi is already a "
                              "weight of the whole sequence); Liger refuses 'sequence' too")  # fmt: skip
+        if self.use_ref_model and ref_per_token_logps is not None and ref_input is not None:  # as Liger, a warning
+            warnings.warn("ref_per_token_logps and ref_input both given. Using ref_per_token_logps; ref_input is "
+                          "ignored", UserWarning, stacklevel=2)  # fmt: skip
         if beta and ref_per_token_logps is None and ref_input is not None:  # else Liger ignores ref_input & co.
             if ref_weight is None:
                 raise ValueError("ref_input needs ref_weight (the reference model's LM head)")

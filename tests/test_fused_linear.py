@@ -324,3 +324,14 @@ def test_module_sequence_clip_ratio_counts_tokens_as_liger(loss_type):
            for module in (liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, **cfg), gk.FusedLinearGRPOLoss(**cfg))]
     assert_close(got[1], got[0], name="sequence-level clip ratio vs Liger", rtol=1e-6, atol=1e-7)
     assert float(got[1]) == pytest.approx(L / (L + 4))
+
+
+def test_module_warns_like_liger_when_both_reference_inputs_are_given():
+    """Liger warns (and uses ref_per_token_logps) when ref_input is passed as well: the same warning, the same loss."""
+    x = make()
+    loss_fn = gk.FusedLinearGRPOLoss(beta=0.04, use_ref_model=True)
+    args = (x["hidden"], x["weight"], x["ids"], x["mask"], x["adv"])
+    expected, _ = loss_fn(*args, ref_per_token_logps=x["ref"])
+    with pytest.warns(UserWarning, match="Using ref_per_token_logps"):
+        loss, _ = loss_fn(*args, ref_per_token_logps=x["ref"], ref_input=x["hidden"], ref_weight=x["weight"])
+    assert_close(loss, expected, name="loss with both reference inputs", rtol=0, atol=0)

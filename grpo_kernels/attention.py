@@ -229,7 +229,8 @@ def _cu_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
 # are read below); any other one with a value is refused rather than dropped.
 _HF_PASSIVE_KWARGS = {"use_cache", "output_attentions", "output_hidden_states", "output_router_logits",
                       "num_items_in_batch", "seq_idx", "position_ids", "cu_seq_lens_k", "max_length_k"}  # fmt: skip
-_HF_READ_KWARGS = {"cu_seq_lens_q", "max_length_q", "sliding_window", "s_aux", "softcap", "prefix_groups"}
+_HF_READ_KWARGS = {"cu_seq_lens_q", "max_length_q", "sliding_window", "s_aux", "softcap", "prefix_groups",
+                   "sequence_parallel"}  # fmt: skip
 # Config fields whose attention pattern reaches the attention function only through a mask, which packed attention
 # does not build: refused (Llama 4's chunked attention).
 _HF_MASK_ONLY_FIELDS = ("attention_chunk_size",)
@@ -262,8 +263,10 @@ def _check_hf_call(module, kwargs):
 def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' attention-function contract: q [B, H, L, D], k/v [B, H_kv, L, D] -> ([B, L, H, D], None).
 
-    Honours the per-layer `sliding_window`, `s_aux` (attention sinks) and `softcap` that models pass; refuses
-    anything else that would change the attention (see _check_hf_call)."""
+    With the keyword `sequence_parallel` (a grpo_kernels.sequence_parallel.SequenceShard) q/k/v are this rank's
+    shard of a packed row, and the attention runs over the whole row through two all-to-alls. Honours the per-layer
+    `sliding_window`, `s_aux` (attention sinks) and `softcap` that models pass; refuses anything else that would
+    change the attention (see _check_hf_call)."""
     if attention_mask is not None:
         raise ValueError(
             f"attn_implementation={HF_ATTENTION_NAME!r} runs packed batches (input_ids [1, T] with position_ids reset "
@@ -272,6 +275,13 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     if dropout:
         raise ValueError(f"attn_implementation={HF_ATTENTION_NAME!r} has no attention dropout")
     _check_hf_call(module, kwargs)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    options = dict(causal=causal, scale=scaling, window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"))
+    shard = kwargs.get("sequence_parallel")
+    if shard is not None:  # a sequence-parallel shard of a packed row (grpo_kernels.sequence_parallel)
+        from .sequence_parallel import ulysses_attention
+
+        return ulysses_attention(varlen_attention, query, key, value, shard, sinks=kwargs.get("s_aux"), **options), None
     b, _, length, _ = query.shape
     cu = kwargs.get("cu_seq_lens_q")
     max_len = kwargs.get("max_length_q")
@@ -284,11 +294,9 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
         raise ValueError("packed attention takes a batch of one row ([1, T]) with cu_seq_lens_q")
     if max_len is None:
         max_len = int((cu[1:] - cu[:-1]).max())
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     flat = lambda x: x.transpose(1, 2).reshape(b * length, x.shape[1], x.shape[3])  # noqa: E731
-    out = varlen_attention(flat(query), flat(key), flat(value), cu, max_len, causal=causal, scale=scaling,
-                           window=kwargs.get("sliding_window"), sinks=kwargs.get("s_aux"),
-                           softcap=kwargs.get("softcap"), prefix_groups=kwargs.get("prefix_groups"))  # fmt: skip
+    out = varlen_attention(flat(query), flat(key), flat(value), cu, max_len, sinks=kwargs.get("s_aux"),
+                           prefix_groups=kwargs.get("prefix_groups"), **options)  # fmt: skip
     return out.reshape(b, length, query.shape[1], query.shape[3]), None
 
 

@@ -147,20 +147,23 @@ def serve_rollout(args: argparse.Namespace) -> None:
 
     if (args.model is None) == (args.config is None):
         raise ValueError("give a model directory or --config (not both)")
-    model_dir = args.model
+    model_dir, max_model_len = args.model, None
     if args.config:
         from .train.config import load_config
         from .train.trainer import _build
         from .train.vllm_sampler import save_hf_model
 
         config = load_config(args.config)
-        model_dir = str(save_hf_model(_build(config)[-1], args.model_dir))
+        model = _build(config)[-1]
+        max_model_len = model.generation_config.max_length  # the run's longest prompt + completion (_build)
+        model_dir = str(save_hf_model(model, args.model_dir))
         args.dtype = "bfloat16" if config.model.dtype == "bfloat16" else "float32"
     backend = args.weight_transfer
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     server = RolloutServer(model_dir, host=args.host, port=args.port, tensor_parallel_size=args.tensor_parallel_size,
-                           dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization, backend=backend)
+                           dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization, backend=backend,
+                           max_model_len=max_model_len)  # fmt: skip
     command = server.command()
     if args.print_command:
         print("VLLM_SERVER_DEV_MODE=1 " + shlex.join(command))

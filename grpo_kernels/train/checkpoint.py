@@ -44,10 +44,12 @@ FORMAT = 1
 
 RUN_NEUTRAL_FIELDS = (
     "logging.run_dir", "logging.log_every", "logging.tensorboard", "checkpoint.every", "checkpoint.resume",
-    "checkpoint.resume_step", "checkpoint.allow_config_change", "distributed.backend",
+    "checkpoint.resume_step", "checkpoint.allow_config_change", "distributed.backend", "distributed.sequence_parallel",
+    "model.activation_checkpointing",
 )  # fmt: skip
 """Config fields that may change on resume without changing the run: where it lives, what it logs, how often it
-checkpoints, how it resumes, the collective backend (like the number of ranks, which is not in the config)."""
+checkpoints, how it resumes, the collective backend and the sequence-parallel layout (like the number of ranks,
+which is not in the config), and activation checkpointing (the same values, recomputed instead of kept)."""
 
 
 class CheckpointError(ValueError):

@@ -168,11 +168,18 @@ class ModelConfig:
     """Parameter dtype: "float32" or "bfloat16"."""
     attn_implementation: str = "grpo_varlen"
     """HF attention: "grpo_varlen" (packed, padding-free; registered by the trainer), "sdpa" or "eager"."""
+    activation_checkpointing: str = "blocks"
+    """"blocks": every decoder block's activations are recomputed in the backward instead of kept (one
+    torch.utils.checkpoint, non-reentrant, per block): activation memory drops from all blocks' to about one block's
+    plus a [tokens, hidden] tensor per block, for roughly one more forward per step. The default, because long
+    completions are where memory runs out (TRL turns gradient checkpointing on by default too). "none": keep every
+    activation (faster when they fit). The loss and gradients are the same either way."""
 
     def __post_init__(self):
         _validate(
             self, at_least={"hidden_size": 1, "num_layers": 1, "num_heads": 1, "num_kv_heads": 1, "head_dim": 32},
-            choices={"dtype": ("float32", "bfloat16"), "attn_implementation": ("grpo_varlen", "sdpa", "eager")},
+            choices={"dtype": ("float32", "bfloat16"), "attn_implementation": ("grpo_varlen", "sdpa", "eager"),
+                     "activation_checkpointing": ("none", "blocks")},
         )  # fmt: skip
         _check(self, "name", self.name != "", "a non-empty string")
         _check(self, "num_kv_heads", self.num_heads % self.num_kv_heads == 0, f"a divisor of {self.num_heads}")
@@ -235,13 +242,33 @@ class SamplingConfig:
     prompts_per_step: int = 8
     """Prompts per optimizer step, so prompts_per_step * group_size completions."""
     max_new_tokens: int = 16
-    """Longest completion, in tokens."""
+    """Longest completion, in tokens (long chains of thought: thousands, e.g. 8192; then raise packing.token_budget
+    to at least the longest prompt + max_new_tokens). A completion that reaches it without <eos> or a stop id is
+    truncated: flagged in the rollout, counted in the metric truncated_fraction, and masked out of the loss with
+    mask_truncated_completions. The longest prompt + max_new_tokens must fit the model's max_position_embeddings and
+    max_model_len (checked when the model is loaded, before anything is written)."""
+    max_model_len: int | None = None
+    """Longest prompt + completion the samplers allow, in tokens: vLLM's max_model_len (which sizes its KV cache)
+    and the rollout servers' --max-model-len. None = the task's longest prompt + max_new_tokens (vLLM's own default,
+    the model's whole context, may allocate a KV cache that does not fit). Must hold the longest prompt +
+    max_new_tokens and be at most the model's max_position_embeddings (checked when the model is loaded). On CPU,
+    vLLM's cache is VLLM_CPU_KVCACHE_SPACE GiB: it needs max_model_len tokens to start, G x max_model_len to sample a
+        group at once (grpo_kernels.train.lengths.kv_cache_gib; SmolLM2-135M in float32 takes 45 KiB a token, so G = 8
+    completions of 8,000 tokens want VLLM_CPU_KVCACHE_SPACE=3)."""
+    mask_truncated_completions: bool = False
+    """Leave truncated completions (see max_new_tokens) out of the loss, as TRL's GRPOConfig option of that name:
+    their tokens get mask 0, so they add nothing to the loss and count in no token normalizer (dapo/cispo/vespo's
+    num_items_in_batch, bnpo's token count); grpo/sapo/luspo still count them, with 0, in the mean over sequences.
+    Their rewards still count in the group advantages. A step whose completions are all truncated has loss 0 and no
+    gradient."""
     temperature: float = 1.0
     """Sampling temperature (> 0); the trainer's log-probs use the same temperature."""
     top_p: float = 1.0
     """Nucleus sampling mass, 0 < top_p <= 1 (1 = off)."""
     hf_max_batch_rows: int = 256
-    """The HF sampler generates equal-length prompts together, at most this many completions per `generate` call."""
+    """The HF sampler generates equal-length prompts together, at most this many completions per `generate` call
+    (it bounds the rows of a call, never a completion's length; its KV cache grows with rows x (prompt +
+    max_new_tokens), so lower it for long completions)."""
     max_step_tokens: int = 1 << 24
     """Bound on what one step may sample, prompts_per_step * G * max_new_tokens tokens (G: the largest group size,
     group_size.max_group_size when adaptive): a larger config is refused at load rather than left to run out of
@@ -292,6 +319,9 @@ class SamplingConfig:
         )  # fmt: skip
         _check(self, "temperature", self.temperature > 0, "> 0")
         _check(self, "top_p", 0 < self.top_p <= 1, "in (0, 1]")
+        if self.max_model_len is not None and self.max_model_len <= self.max_new_tokens:
+            raise ValueError(f"sampling.max_model_len ({self.max_model_len}) must exceed sampling.max_new_tokens "
+                             f"({self.max_new_tokens}): it holds a prompt and a completion (or set it to none)")
         _check(self, "vllm_gpu_memory_utilization", 0 < self.vllm_gpu_memory_utilization < 1, "in (0, 1)")
         _check(self, "server_timeout_s", self.server_timeout_s > 0, "> 0")
         _check(self, "server_start_timeout_s", self.server_start_timeout_s > 0, "> 0")
@@ -442,9 +472,15 @@ class DistributedConfig:
 
     backend: str = "auto"
     """torch.distributed backend under torchrun: "auto" (nccl on CUDA, else gloo), "gloo" or "nccl"."""
+    sequence_parallel: int = 1
+    """N > 1: Ulysses sequence parallelism. The world splits into world / N data-parallel groups of N consecutive
+    ranks; a group trains the same packed micro-batches (up to N x packing.token_budget tokens), each rank a
+    contiguous 1/N of every row, with two all-to-alls around every attention call. Needs torchrun with a world size
+    divisible by N, attention heads divisible by N and model.attn_implementation "grpo_varlen". The loss and the
+    update equal the unsharded run's."""
 
     def __post_init__(self):
-        _validate(self, choices={"backend": ("auto", "gloo", "nccl")})
+        _validate(self, at_least={"sequence_parallel": 1}, choices={"backend": ("auto", "gloo", "nccl")})
 
 
 @dataclass(kw_only=True, slots=True)
@@ -535,6 +571,13 @@ class TrainConfig:
                 f"{s.max_new_tokens} tokens, more than sampling.max_step_tokens = {s.max_step_tokens} (G: "
                 f"{'group_size.max_group_size' if gs.adaptive else 'sampling.group_size'}): lower it or raise the bound"
             )
+        sp = self.distributed.sequence_parallel
+        if sp > 1 and self.model.attn_implementation != "grpo_varlen":
+            raise ValueError(f'distributed.sequence_parallel = {sp} needs model.attn_implementation "grpo_varlen" '
+                             f'(the all-to-alls live in its attention), got "{self.model.attn_implementation}"')
+        if sp > 1 and self.model.name == "tiny" and self.model.num_heads % sp:
+            raise ValueError(f"distributed.sequence_parallel = {sp} must divide the attention heads "
+                             f"(model.num_heads = {self.model.num_heads})")  # fmt: skip
         if self.packing.shared_prefix and self.model.attn_implementation != "grpo_varlen":
             raise ValueError(f'packing.shared_prefix needs model.attn_implementation "grpo_varlen" (with '
                              f'"{self.model.attn_implementation}" the completions of a group would attend to each '

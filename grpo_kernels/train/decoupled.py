@@ -122,7 +122,9 @@ class Decoupled:
     @classmethod
     def start(cls, config, model, tok, d, run_dir: Path, log) -> "Decoupled":
         """Rank 0: write the model for the servers, start them (or reach sampling.server_urls), set their
-        temperature. Other ranks: nothing but the model directory's name."""
+        temperature. Other ranks: nothing but the model directory's name. A started server's --max-model-len is
+        model.generation_config.max_length (set by the trainer's `_build`: the longest prompt + max_new_tokens, or
+        sampling.max_model_len)."""
         s = config.sampling
         model_dir = Path(run_dir) / "rollout-model"
         started, clients, sampler = [], [], None
@@ -140,6 +142,7 @@ class Decoupled:
                         server = RolloutServer(model_dir, port=free_port(), devices=devices[i],
                                                cpus=None if cpus is None else cpus[i],
                                                tensor_parallel_size=s.server_tensor_parallel_size, dtype=dtype,
+                                               max_model_len=model.generation_config.max_length,
                                                gpu_memory_utilization=s.vllm_gpu_memory_utilization,
                                                backend=_backend(s), log_path=Path(run_dir) / f"rollout-server-{i}.log",
                                                start_timeout_s=s.server_start_timeout_s)  # fmt: skip

@@ -14,41 +14,73 @@ the fused LM-head loss inside `Policy.forward` reads the unsharded head weight. 
 ranks; the step multiplies each rank's loss by world so the update is the gradient of the global loss.
 Mixed precision: bf16 parameters with fp32 gradient reduction when model.dtype = "bfloat16", fp32 otherwise;
 the optimizer always holds fp32 master weights.
+
+Sequence parallelism (`distributed.sequence_parallel = N`): the world is split into world / N data-parallel
+groups of N consecutive ranks; the N ranks of a group train the same micro-batches, each on a contiguous shard
+of every packed row (grpo_kernels.sequence_parallel). FSDP2 still shards over the whole world.
+
+Activation checkpointing (`model.activation_checkpointing = "blocks"`): every decoder block's forward runs under
+torch.utils.checkpoint (non-reentrant), applied before sharding, so the backward recomputes a block's activations
+instead of keeping them; the parameters and their names are untouched (checkpoints and weight sync unchanged).
 """
 
+import functools
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["SINGLE", "Dist", "all_gather_objects", "all_reduce_sum", "full_state_dict", "init_distributed", "shard"]
+__all__ = ["SINGLE", "Dist", "all_gather_objects", "all_reduce_sum", "checkpoint_blocks", "full_state_dict",
+           "init_distributed", "shard"]
 
 
 @dataclass(frozen=True, slots=True)
 class Dist:
-    """This process's place: rank, world size, device; distributed is False for a plain single process."""
+    """This process's place: rank, world size, device; distributed is False for a plain single process.
+    sp: the sequence-parallel size N (1: none); sp_group: the process group of this rank's N ranks."""
 
     rank: int = 0
     world: int = 1
     device: torch.device = torch.device("cpu")
     distributed: bool = False
+    sp: int = 1
+    sp_group: object = None
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel group (the micro-batches it trains)."""
+        return self.rank // self.sp
+
+    @property
+    def dp_world(self) -> int:
+        """How many data-parallel groups (world / sp)."""
+        return self.world // self.sp
+
+    @property
+    def sp_rank(self) -> int:
+        """This rank's shard of every row in its sequence-parallel group."""
+        return self.rank % self.sp
 
 
 SINGLE = Dist()
 """A plain single process (the default of functions that take a Dist)."""
 
 
-def init_distributed(backend: str = "auto") -> Dist:
+def init_distributed(backend: str = "auto", *, sequence_parallel: int = 1) -> Dist:
     """Join torchrun's process group when launched by torchrun (WORLD_SIZE set); else a single process.
 
-    backend "auto" is nccl when CUDA is available, else gloo. Idempotent."""
+    backend "auto" is nccl when CUDA is available, else gloo. sequence_parallel N: the process groups of N
+    consecutive ranks (N must divide the world). Idempotent."""
     cuda = torch.cuda.is_available()
     if "WORLD_SIZE" not in os.environ:
+        if sequence_parallel != 1:
+            raise ValueError(f"distributed.sequence_parallel = {sequence_parallel} needs torchrun with a world size "
+                             "divisible by it; this is a single process")  # fmt: skip
         return Dist(device=torch.device("cuda" if cuda else "cpu"))
     if backend == "auto":
         backend = "nccl" if cuda else "gloo"
@@ -61,7 +93,36 @@ def init_distributed(backend: str = "auto") -> Dist:
         device = torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
-    return Dist(rank=dist.get_rank(), world=dist.get_world_size(), device=device, distributed=True)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world % sequence_parallel:
+        raise ValueError(f"distributed.sequence_parallel = {sequence_parallel} does not divide the world size {world}")
+    group = None
+    if sequence_parallel > 1:
+        for start in range(0, world, sequence_parallel):  # every rank creates every group, in the same order
+            ranks = list(range(start, start + sequence_parallel))
+            created = dist.new_group(ranks)
+            if rank in ranks:
+                group = created
+    return Dist(rank=rank, world=world, device=device, distributed=True, sp=sequence_parallel, sp_group=group)
+
+
+def checkpoint_blocks(blocks) -> None:
+    """Activation checkpointing: each block's forward runs under torch.utils.checkpoint (non-reentrant) when
+    gradients are being recorded (no-grad passes, such as generation, run it plainly). Idempotent; the module tree,
+    parameter names and state dict are unchanged. Apply before sharding."""
+    for block in blocks:
+        if getattr(block, "_grpo_checkpointed", False):
+            continue
+        block.forward = functools.partial(_checkpointed, block.forward)
+        block._grpo_checkpointed = True
+
+
+def _checkpointed(forward, *args, **kwargs):
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def shard(policy: torch.nn.Module, blocks, *, device: torch.device, world: int, dtype: torch.dtype):

@@ -1,4 +1,5 @@
-"""`grpo-kernels plot RUN_DIR`: PNGs of a run from its metrics.jsonl (reward, invalid groups vs theory, G, speed)."""
+"""`grpo-kernels plot RUN_DIR`: PNGs of a run from its metrics.jsonl (reward, invalid groups vs theory, G, completion
+lengths, speed)."""
 
 import json
 from pathlib import Path
@@ -18,7 +19,8 @@ def _smooth(values, k=10):
 
 
 def plot_run(run_dir) -> list[Path]:
-    """Write reward.png, invalid_groups.png, group_size.png (when logged) and throughput.png; returns the paths."""
+    """Write reward.png, invalid_groups.png, group_size.png and lengths.png (when logged) and throughput.png; returns
+    the paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -64,6 +66,19 @@ def plot_run(run_dir) -> list[Path]:
         ax.step(steps, [r["group_size"] for r in rows], where="post")
         ax.set(xlabel="step", ylabel="G", title="group size")
         save(fig, "group_size.png")
+
+    if "completion_length_max" in rows[0]:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for key in ("max", "median", "min"):
+            ax.plot(steps, [r[f"completion_length_{key}"] for r in rows], label=key)
+        ax.set(xlabel="step", ylabel="completion tokens", title="completion lengths")
+        if "truncated_fraction" in rows[0]:
+            twin = ax.twinx()
+            twin.plot(steps, [r["truncated_fraction"] for r in rows], "k:", label="truncated (right)")
+            twin.set(ylabel="truncated fraction", ylim=(0, 1.02))
+            twin.legend(fontsize=8, loc="upper right")
+        ax.legend(fontsize=8, loc="upper left")
+        save(fig, "lengths.png")
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, [r["train_tokens_per_s"] for r in rows])

@@ -9,6 +9,11 @@ the rewards rounded to float32, the kernels' input, with the default options) ar
 per group (scale="group": a group's advantages depend on its own rewards only), so `select` and `concat` carry
 their parts' rows over instead of calling the kernel again; only `invalid_fraction` is recounted, as the C++
 kernel counts it (the invalid groups over the groups, divided in fp64 and rounded once to fp32).
+
+Two per-completion flags travel with the completions through `select` and `concat`: `truncated` (the sampler's:
+the completion reached the token limit instead of ending at <eos> or a stop id) and `masked` (the trainer's: the
+loss leaves the completion's tokens out, while its reward still counts in its group's advantages; `mask_truncated`
+masks the truncated ones, TRL's mask_truncated_completions).
 """
 
 from dataclasses import dataclass, replace
@@ -39,12 +44,27 @@ class Rollout:
     advantages: GroupAdvantages | None = None
     """The advantage result of the rewards (`group_advantages(rewards.float().flatten(), group_size=G)`), computed
     here when rewards are given without it; `select` and `concat` pass their parts' rows on. None without rewards."""
+    truncated: list | None = None
+    """list[bool]: True for a completion that ended because it reached the token limit (max_new_tokens, or the
+    sampler's max_model_len), not at <eos> or a stop id. None when the sampler did not say (a concatenation with
+    such a part is None too)."""
+    masked: list | None = None
+    """list[bool]: completions whose tokens the loss leaves out (mask 0: they add nothing to the loss and count in
+    no token normalizer; grpo/sapo/luspo still count them in the mean over sequences, as TRL does). Their rewards
+    still count in the group advantages. None = none masked."""
 
     def __post_init__(self):
         n = len(self.completion_ids)
         if len(self.prompt_ids) != n or len(self.sampler_logps) != n:
             raise ValueError(f"a rollout needs one prompt, completion and sampler log-prob list per completion, got "
                              f"{len(self.prompt_ids)}, {n} and {len(self.sampler_logps)}")  # fmt: skip
+        for name in ("truncated", "masked"):
+            flags = getattr(self, name)
+            if flags is not None:
+                flags = [bool(f) for f in flags]
+                if len(flags) != n:
+                    raise ValueError(f"{name} needs one flag per completion ({n}), got {len(flags)}")
+                object.__setattr__(self, name, flags)
         g = self.group_size
         if isinstance(g, bool) or not isinstance(g, int) or g < 1:
             raise ValueError(f"group_size must be a positive int, got {g!r}")
@@ -82,6 +102,13 @@ class Rollout:
             raise ValueError(f"one reward per completion: {len(self.completion_ids)} completions, {r.numel()} rewards")
         return replace(self, rewards=r.reshape(self.num_groups, self.group_size), advantages=None)
 
+    def mask_truncated(self) -> "Rollout":
+        """This rollout with its truncated completions masked out of the loss (added to those already masked)."""
+        if self.truncated is None:
+            raise ValueError("this rollout does not say which completions are truncated (its sampler set no flags)")
+        masked = self.masked or [False] * len(self.completion_ids)
+        return replace(self, masked=[m or t for m, t in zip(masked, self.truncated, strict=True)])
+
     def pass_rates(self) -> list:
         """list[float]: the mean reward of every group (summed in order in Python floats)."""
         g = self.group_size
@@ -104,9 +131,11 @@ class Rollout:
             rewards, valid = self.rewards[rows], a.valid[rows]
             advantages = GroupAdvantages(a.advantages.view(self.num_groups, g)[rows].flatten(), valid,
                                          a.group_mean[rows], a.group_std[rows], _invalid_fraction(valid))  # fmt: skip
+        flags = {name: None if getattr(self, name) is None else pick(getattr(self, name))
+                 for name in ("truncated", "masked")}  # fmt: skip
         return Rollout(prompt_ids=pick(self.prompt_ids), completion_ids=pick(self.completion_ids),
                        sampler_logps=pick(self.sampler_logps), group_size=g, rewards=rewards,
-                       advantages=advantages)  # fmt: skip
+                       advantages=advantages, **flags)  # fmt: skip
 
     @staticmethod
     def concat(parts) -> "Rollout":
@@ -128,9 +157,13 @@ class Rollout:
             rewards = torch.cat([p.rewards for p in parts])
             adv, valid, mean, std = (torch.cat([p.advantages[i] for p in parts]) for i in range(4))
             advantages = GroupAdvantages(adv, valid, mean, std, _invalid_fraction(valid))
+        truncated = None if any(p.truncated is None for p in parts) else cat("truncated")
+        masked = None
+        if any(p.masked is not None for p in parts):  # a part without flags has nothing masked
+            masked = [m for p in parts for m in (p.masked or [False] * len(p.completion_ids))]
         return Rollout(prompt_ids=cat("prompt_ids"), completion_ids=cat("completion_ids"),
                        sampler_logps=cat("sampler_logps"), group_size=g, rewards=rewards,
-                       advantages=advantages)  # fmt: skip
+                       advantages=advantages, truncated=truncated, masked=masked)  # fmt: skip
 
     def _scored(self) -> torch.Tensor:
         if self.rewards is None:

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from .rollout import Rollout
-from .vllm_sampler import _ids, _request_seed
+from .vllm_sampler import _ids, _request_seed, truncated
 
 __all__ = ["RolloutServer", "RolloutServerError", "ServerClient", "ServerSampler", "TemperatureExtension", "free_port"]
 
@@ -297,7 +297,7 @@ class ServerSampler:
                               stop_token_ids=self.stop_ids, logprobs=0, seed=_request_seed(int(seed))))
                 for k, (p, seed) in enumerate(zip(prompts, seeds, strict=True))]  # fmt: skip
         outputs = self._run(jobs)
-        out_prompts, out_completions, out_logps = [], [], []
+        out_prompts, out_completions, out_logps, out_truncated = [], [], [], []
         for prompt, output in zip(prompts, outputs, strict=True):
             for choice in sorted(output["choices"], key=lambda c: c["index"]):
                 ids = list(choice["token_ids"])
@@ -306,8 +306,9 @@ class ServerSampler:
                 out_prompts.append(prompt)
                 out_completions.append(torch.tensor(ids, dtype=torch.long))
                 out_logps.append(_chosen(choice["logprobs"]["content"], ids))
+                out_truncated.append(truncated(choice.get("finish_reason"), ids, self.stop_ids))
         return Rollout(prompt_ids=out_prompts, completion_ids=out_completions, sampler_logps=out_logps,
-                       group_size=group_size)  # fmt: skip
+                       group_size=group_size, truncated=out_truncated)  # fmt: skip
 
     def sequence_logprobs(self, prompt_ids, completion_ids, *, server: int = 0) -> torch.Tensor:
         """The log-prob of each token of a given completion under server `server` (at the sampling temperature)."""

@@ -70,7 +70,9 @@ class HFSampler:
 
     def __init__(self, model, *, eos_id: int, pad_id: int, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, max_batch_rows: int = 256, stop_ids=()):  # fmt: skip
-        """A completion ends at eos_id or any of stop_ids (kept as its last token), or after max_new_tokens."""
+        """A completion ends at eos_id or any of stop_ids (kept as its last token), or after max_new_tokens (then it
+        is flagged truncated). Nothing else bounds its length: max_batch_rows only splits the rows of a `generate`
+        call (lower it for long completions: the KV cache of a call grows with rows x (prompt + max_new_tokens))."""
         if max_batch_rows < 1:
             raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
         self.model, self.eos_id, self.pad_id = model, eos_id, pad_id
@@ -95,7 +97,7 @@ class HFSampler:
         by_length = {}
         for k, j in rows:
             by_length.setdefault(prompts[k].numel(), []).append((k, j))
-        completions, logps = {}, {}
+        completions, logps, truncated = {}, {}, {}
         try:
             for batch_rows in by_length.values():
                 for start in range(0, len(batch_rows), self.max_batch_rows):
@@ -106,12 +108,14 @@ class HFSampler:
                         ends = torch.isin(new[i], torch.tensor(self.stop_ids)).nonzero()
                         n = int(ends[0]) + 1 if ends.numel() else new.shape[1]
                         completions[row], logps[row] = new[i, :n].clone(), lp[i, :n].clone()
+                        truncated[row] = not ends.numel()  # no stop id: it ran for max_new_tokens
         finally:
             model.generation_config = generation_defaults
             model.set_attn_implementation(attn)
             model.train(training)
         return Rollout(prompt_ids=[prompts[k] for k, _ in rows], completion_ids=[completions[r] for r in rows],
-                       sampler_logps=[logps[r] for r in rows], group_size=group_size)  # fmt: skip
+                       sampler_logps=[logps[r] for r in rows], group_size=group_size,
+                       truncated=[truncated[r] for r in rows])  # fmt: skip
 
     def _generate(self, ids: torch.Tensor, row_seeds: list) -> tuple:
         """(new tokens [B, steps], their log-probs at the sampling temperature) for prompts ids [B, L]."""

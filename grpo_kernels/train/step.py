@@ -6,7 +6,9 @@ completion tokens (num_items_in_batch), grpo/sapo weight each micro-batch by its
 bnpo/dr_grpo average the micro-batches (TRL's gradient-accumulation convention). Under data parallelism every
 rank holds the whole rollout (grpo_kernels.train.fsdp), so these normalizers are global; each rank runs its own
 micro-batches of `plan_micro_batches(..., num_ranks=world)` and an all-zero stand-in where its plan is empty, so
-every rank makes the same number of forward/backward calls.
+every rank makes the same number of forward/backward calls. Under sequence parallelism (dist.sp = N) the plan is
+per data-parallel group with N x token_budget tokens per micro-batch, and each rank of a group runs its contiguous
+shard of every packed row (grpo_kernels.sequence_parallel); the loss is the unsharded one on every rank.
 """
 
 import contextlib
@@ -16,9 +18,12 @@ import torch
 
 from ..fused_linear import fused_linear_grpo_loss, fused_linear_logprobs
 from ..integrations.hf import check_plain_head, logit_multiplier, logit_softcap
+from ..loss import grpo_loss
 from ..packing import pack_sequences
 from ..planner import plan_micro_batches
+from ..sequence_parallel import shard_packed
 from .fsdp import SINGLE, Dist, all_reduce_max, all_reduce_sum
+from .lengths import step_metrics
 from .rollout import Rollout
 
 __all__ = ["Policy", "completion_logprobs", "grpo_step", "sft_warmup"]
@@ -40,38 +45,54 @@ class Policy(torch.nn.Module):
 
     def forward(self, inputs: dict, logit_rows: torch.Tensor, completion_ids: torch.Tensor,
                 advantages: torch.Tensor | None = None, *, temperature: float, **loss_options):  # fmt: skip
-        """Per-token log-probs of completion_ids (advantages None), else (loss, metrics) of the fused loss."""
+        """Per-token log-probs of completion_ids (advantages None), else (loss, metrics) of the fused loss.
+
+        inputs holding "sequence_parallel" (a SequenceShard): logit_rows / completion_ids are the shard's own; the
+        log-probs are gathered over the group and the loss computed from the whole row's on every rank."""
+        shard = inputs.get("sequence_parallel")
         h = self.model.base_model(**inputs).last_hidden_state[0][logit_rows]
         lm_head = self.model.get_output_embeddings()
         dtype = self.compute_dtype or lm_head.weight.dtype
         h, head = h.to(dtype), lm_head.weight.to(dtype)
         bias = None if lm_head.bias is None else lm_head.bias.to(dtype)
         kw = dict(bias=bias, temperature=temperature / self.logit_scale, softcap=self.softcap)
+        if shard is not None:
+            logps = shard.gather(fused_linear_logprobs(h, head, completion_ids, **kw))
+            if advantages is None:
+                return logps
+            old = loss_options.pop("old_logps", None)
+            return grpo_loss(logps, old, advantages, **loss_options)
         if advantages is None:
             return fused_linear_logprobs(h, head, completion_ids, **kw)
         return fused_linear_grpo_loss(h, head, completion_ids, advantages, **kw, **loss_options)
 
 
-def _run(policy, packed, advantages=None, **options):
+def _run(policy, packed, advantages=None, *, dist: Dist = SINGLE, **options):
+    """The policy on a packed micro-batch: whole, or this rank's shard of it under sequence parallelism."""
+    if dist.sp > 1:
+        shard = shard_packed(packed, group=dist.sp_group)
+        return policy(shard.model_kwargs(), shard.logit_rows, shard.completion_ids, advantages, **options)
     return policy(packed.model_kwargs(), packed.logit_rows, packed.completion_ids, advantages, **options)
 
 
-def completion_logprobs(policy, packed, *, temperature: float) -> torch.Tensor:
-    """Per-completion-token log-probs of a packed batch under a Policy (or a bare HF model); no grad, no logits."""
+def completion_logprobs(policy, packed, *, temperature: float, dist: Dist = SINGLE) -> torch.Tensor:
+    """Per-completion-token log-probs of a packed batch under a Policy (or a bare HF model); no grad, no logits.
+    Under sequence parallelism (dist.sp > 1) every rank of the group gets the whole batch's log-probs."""
     if not isinstance(policy, Policy):
         policy = Policy(policy)
     with torch.no_grad():
-        return _run(policy, packed, temperature=temperature)
+        return _run(policy, packed, temperature=temperature, dist=dist)
 
 
 def _micro_batches(rollout, lengths, *, token_budget, shared_prefix, algorithm, dist):
     """[(sample indices, PackedBatch, sampler log-probs)] of this rank; a one-sample stand-in (empty indices)
-    where the plan gives this rank nothing."""
+    where the plan gives this rank nothing. Under sequence parallelism the plan is per data-parallel group, with
+    token_budget tokens per rank: token_budget x N per micro-batch, shared by the group's N ranks."""
     groups = rollout.group_ids
-    plan = plan_micro_batches(lengths, token_budget=token_budget, group_ids=groups, keep_groups=shared_prefix,
-                              num_ranks=dist.world, algorithm=algorithm)  # fmt: skip
+    plan = plan_micro_batches(lengths, token_budget=token_budget * dist.sp, group_ids=groups,
+                              keep_groups=shared_prefix, num_ranks=dist.dp_world, algorithm=algorithm)  # fmt: skip
     micro = []
-    for samples in plan.micro_batches[dist.rank]:
+    for samples in plan.micro_batches[dist.dp_rank]:
         picked = samples or [0]
         packed = pack_sequences([rollout.prompt_ids[i] for i in picked], [rollout.completion_ids[i] for i in picked],
                                 shared_prefix=shared_prefix, group_ids=[groups[i] for i in picked],
@@ -95,7 +116,10 @@ def grpo_step(policy, optimizer, rollout: Rollout, *, loss_options: dict, temper
     loss_options["beta"] > 0. compute_old_logps: also compute the policy's log-probs before the update when
     num_iterations is 1 (for the sampler mismatch metric "sampler_logp_abs_diff"); they are computed anyway for
     num_iterations > 1. loss_options["sampler_is_mode"] turns on the importance-sampling correction with the
-    rollout's sampler log-probs."""
+    rollout's sampler log-probs. The completions in `rollout.masked` (`Rollout.mask_truncated`: TRL's
+    mask_truncated_completions) get a loss mask of 0. The metrics include the length statistics of
+    grpo_kernels.train.lengths.step_metrics (completion_length_min/median/max, truncated_fraction,
+    packing_efficiency)."""
     if not isinstance(policy, Policy):
         policy = Policy(policy)
     if rollout.rewards is None:
@@ -114,13 +138,21 @@ def grpo_step(policy, optimizer, rollout: Rollout, *, loss_options: dict, temper
         options = dict(loss_options)
         old = ref = None
         if num_iterations > 1 or compute_old_logps:
-            old = [completion_logprobs(policy, p, temperature=temperature) for _, p, _ in micro]
+            old = [completion_logprobs(policy, p, temperature=temperature, dist=dist) for _, p, _ in micro]
         if options.get("beta", 0.0):
             if ref_policy is None:
                 raise ValueError("loss.beta > 0 needs a reference policy")
-            ref = [completion_logprobs(ref_policy, p, temperature=temperature) for _, p, _ in micro]
+            ref = [completion_logprobs(ref_policy, p, temperature=temperature, dist=dist) for _, p, _ in micro]
+        # Completions masked out of the loss (rollout.masked, e.g. truncated ones): a per-token mask of 0 over them
+        # (the stand-in's is all 0), and dapo/cispo/vespo divide by the unmasked tokens (at least 1), as TRL does.
+        masked = rollout.masked if rollout.masked is not None and any(rollout.masked) else None
+        masks = [None] * len(micro)
+        if masked is not None:
+            masks = [torch.cat([torch.full((len(rollout.completion_ids[i]),), float(bool(samples) and not masked[i]))
+                                for i in samples or [0]]).to(dist.device) for samples, _, _ in micro]  # fmt: skip
         if loss_type in ("dapo", "cispo", "vespo"):
-            options["num_items_in_batch"] = total_tokens
+            options["num_items_in_batch"] = total_tokens if masked is None else max(
+                1, sum(len(c) for c, out in zip(rollout.completion_ids, masked, strict=True) if not out))
         is_mode = options.pop("sampler_is_mode", None)
         policy.train()
         local = {}  # name -> fp64 tensor on the loss's device, the same sums in the same order as Python floats
@@ -129,15 +161,18 @@ def grpo_step(policy, optimizer, rollout: Rollout, *, loss_options: dict, temper
             step_loss = None
             for k, (samples, packed, sampler) in enumerate(micro):
                 extra = dict(sampler_logps=sampler, sampler_is_mode=is_mode) if is_mode else {}
+                if masks[k] is not None:
+                    extra["mask"] = masks[k]
                 advantages = (adv.advantages[samples] if samples else torch.zeros(1)).to(dist.device)
-                loss, m = _run(policy, packed, advantages, temperature=temperature,
+                loss, m = _run(policy, packed, advantages, temperature=temperature, dist=dist,
                                cu_seqlens=packed.completion_cu_seqlens, old_logps=None if old is None else old[k],
                                ref_logps=None if ref is None else ref[k], **options, **extra)  # fmt: skip
                 share = len(samples) / n
                 weight = {"grpo": share, "sapo": share, "luspo": share, "dapo": 1.0, "cispo": 1.0, "vespo": 1.0}.get(
-                    loss_type, 1.0 / (len(micro) * dist.world)
+                    loss_type, 1.0 / (len(micro) * dist.dp_world)
                 ) if samples else 0.0  # fmt: skip
-                (loss * (weight * dist.world)).backward()  # FSDP2 averages gradients over ranks
+                # FSDP2 averages gradients over all ranks; the ranks of a sequence-parallel group each hold a part
+                (loss * (weight * dist.world)).backward()
                 step_loss = _add(step_loss, loss.detach().double() * weight)
                 for key, value in m.items():
                     local[key] = _add(local.get(key), value.detach().double() * share / num_iterations)
@@ -162,7 +197,8 @@ def grpo_step(policy, optimizer, rollout: Rollout, *, loss_options: dict, temper
         extremes = all_reduce_max(extremes, dist)
     keys = sorted(local)
     tokens = torch.tensor(float(sum(lengths[i] for s, _, _ in micro for i in s)), dtype=torch.float64)
-    summed = all_reduce_sum(torch.stack([local[k] for k in keys] + [tokens.to(device)]), dist)
+    owner = 1.0 if dist.sp_rank == 0 else 0.0  # a sequence-parallel group's ranks hold the same values: count once
+    summed = all_reduce_sum(torch.stack([local[k] for k in keys] + [tokens.to(device)]) * owner, dist)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     same = [norm, rollout.rewards.float().flatten().mean(), adv.invalid_fraction]  # identical on every rank
     tail = [] if extremes is None else [extremes]
@@ -175,7 +211,9 @@ def grpo_step(policy, optimizer, rollout: Rollout, *, loss_options: dict, temper
     metrics.update(
         reward=reward, invalid_group_rate=invalid_rate, grad_norm=grad_norm, completion_tokens=total_tokens,
         micro_batches=len(micro), train_tokens_per_s=tokens / elapsed, train_step_s=elapsed,
-        completion_length=total_tokens / n,
+        completion_length=total_tokens / n, **step_metrics(rollout, token_budget=token_budget,
+                                                           micro_batches=len(micro), world=dist.world,
+                                                           shared_prefix=shared_prefix),
     )  # fmt: skip
     return metrics
 

@@ -26,6 +26,7 @@ import random
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -40,8 +41,9 @@ from .checkpoint import (
     verify_checkpoint,
 )
 from .config import TrainConfig, save_config, to_dict
-from .fsdp import SINGLE, Dist, all_gather_objects, full_state_dict, init_distributed, shard
+from .fsdp import SINGLE, Dist, all_gather_objects, checkpoint_blocks, full_state_dict, init_distributed, shard
 from .group_size import AdaptiveGroupSize
+from .lengths import check_model_len, kv_cache_shortfall, position_limit
 from .rollout import Rollout
 from .sampler import HFSampler
 from .step import Policy, grpo_step, sft_warmup
@@ -84,7 +86,8 @@ def evaluate(sampler, tok, task, examples, *, seed: int, d: Dist = SINGLE) -> fl
 def _collect(config: TrainConfig, sampler, tok, task, next_prompts, step: int, g: int, d: Dist):
     """The step's (scored rollout, prompts sampled, extra rounds). With dynamic sampling, groups without a
     gradient signal are dropped and more prompts sampled, for at most max_resample_rounds more rounds; the rollout
-    is None when no group survived."""
+    is None when no group survived. With sampling.mask_truncated_completions its truncated completions are masked
+    out of the loss (their rewards still count in the group advantages)."""
     s, gs = config.sampling, config.group_size
     parts, sampled, rounds = [], 0, 0
     while True:
@@ -100,7 +103,10 @@ def _collect(config: TrainConfig, sampler, tok, task, next_prompts, step: int, g
         if not gs.dynamic_sampling or full or rounds >= gs.max_resample_rounds:
             break
         rounds += 1
-    return (Rollout.concat(parts) if parts else None), sampled, rounds
+    rollout = Rollout.concat(parts) if parts else None
+    if rollout is not None and s.mask_truncated_completions:
+        rollout = rollout.mask_truncated()
+    return rollout, sampled, rounds
 
 
 def _schedule(config: TrainConfig):
@@ -143,10 +149,22 @@ def _build(config: TrainConfig):
     train_set = task.examples(t.num_train_prompts, seed=t.seed)
     eval_set = task.examples(t.num_eval_prompts, seed=t.seed + 1)
     longest = max(len(tok.encode_prompt(e.prompt)) for e in train_set + eval_set)
+    # What the samplers allow, prompt + completion (vLLM's max_model_len, the servers' --max-model-len), kept where
+    # HF keeps that bound, the model's generation config, for `_sampler` and the decoupled servers.
+    model.generation_config.max_length = check_model_len(
+        longest_prompt=longest, max_new_tokens=config.sampling.max_new_tokens,
+        max_model_len=config.sampling.max_model_len, position_limit=position_limit(model.config), model=m.name,
+    )  # fmt: skip
     need = longest + config.sampling.max_new_tokens
-    if need > config.packing.token_budget:
-        raise ValueError(f"packing.token_budget ({config.packing.token_budget}) is smaller than the longest "
+    sp = config.distributed.sequence_parallel
+    if need > config.packing.token_budget * sp:
+        shards = f" x distributed.sequence_parallel ({sp})" if sp > 1 else ""
+        raise ValueError(f"packing.token_budget ({config.packing.token_budget}){shards} is smaller than the longest "
                          f"prompt ({longest} tokens) plus sampling.max_new_tokens ({config.sampling.max_new_tokens})")
+    heads = getattr(model.config, "num_attention_heads", None)
+    if sp > 1 and heads is not None and heads % sp:
+        raise ValueError(f"distributed.sequence_parallel = {sp} must divide the attention heads of {m.name} "
+                         f"({heads})")  # fmt: skip
     if config.logging.tensorboard:
         try:
             from torch.utils.tensorboard import SummaryWriter  # noqa: F401
@@ -165,13 +183,19 @@ def _sampler(config: TrainConfig, model, tok, d: Dist):
                          max_batch_rows=s.hf_max_batch_rows)  # fmt: skip
     from .vllm_sampler import VLLMSampler, save_hf_model
 
+    dtype = "bfloat16" if config.model.dtype == "bfloat16" else "float32"
+    if not torch.cuda.is_available():  # vLLM's CPU cache is VLLM_CPU_KVCACHE_SPACE GiB (VLLMSampler's default: 1)
+        short = kv_cache_shortfall(model.config, group_size=s.group_size, dtype=dtype,
+                                   max_model_len=model.generation_config.max_length,
+                                   space_gib=float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 1))  # fmt: skip
+        if short:
+            warnings.warn(short, stacklevel=2)
     with tempfile.TemporaryDirectory(prefix="grpo-sampler-") as directory:  # vLLM loads from a directory
         save_hf_model(model, directory)
         return VLLMSampler(directory, eos_id=tok.eos_id, stop_ids=tok.stop_ids, max_new_tokens=s.max_new_tokens,
-                           temperature=s.temperature,
+                           temperature=s.temperature, max_model_len=model.generation_config.max_length,
                            top_p=s.top_p, gpu_memory_utilization=s.vllm_gpu_memory_utilization,
-                           dtype="bfloat16" if config.model.dtype == "bfloat16" else "float32",
-                           external_launcher=d.distributed)  # fmt: skip
+                           dtype=dtype, external_launcher=d.distributed)  # fmt: skip
 
 
 def _check_run_dir(run_dir: Path, option: str) -> None:
@@ -229,7 +253,7 @@ def _decoder_blocks(model):
 
 def train(config: TrainConfig, *, log=print) -> dict:
     """Run config (on every rank under torchrun); returns the summary also written to <run_dir>/summary.json."""
-    d = init_distributed(config.distributed.backend)
+    d = init_distributed(config.distributed.backend, sequence_parallel=config.distributed.sequence_parallel)
     resume = config.checkpoint.resume
     run_dir = Path(resume or config.logging.run_dir)
     _check_run_dir(run_dir, "checkpoint.resume" if resume else "logging.run_dir")
@@ -271,6 +295,8 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
     if config.loss.beta > 0:
         ref_policy = Policy(copy.deepcopy(model).requires_grad_(False), compute_dtype=torch.bfloat16 if bf16 else None)
     policy = Policy(model, compute_dtype=torch.bfloat16 if bf16 and not d.distributed else None)
+    if config.model.activation_checkpointing == "blocks":
+        checkpoint_blocks(_decoder_blocks(model))
     if d.distributed:
         dtype = torch.bfloat16 if bf16 else torch.float32
         for p in [policy] + ([ref_policy] if ref_policy else []):

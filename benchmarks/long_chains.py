@@ -1,0 +1,503 @@
+"""Long chains of thought: who runs out of memory first. One GRPO training step (forward, loss, backward, optimizer;
+no generation) on completions of 500-8,000 tokens, per provider, each in a fresh process under a memory cap.
+
+Usage (from the repository root):
+    .venv/bin/python benchmarks/long_chains.py                 # SmolLM2-135M-Instruct, fp32, cap 12 GB (hours on CPU)
+    .venv/bin/python benchmarks/long_chains.py --quick         # the tiny model, short chains (the smoke test)
+    .venv/bin/python benchmarks/long_chains.py --plot-only     # rebuild the plot and the memory model from the CSV
+
+The step: P prompts (a ~100-token chat prompt asking for worked reasoning) with G completions each; completions
+are synthetic token sequences (random ids of the model's vocabulary, no special tokens), seeded. Sweeps:
+    spread   G = 8 and 16, one prompt, lengths drawn log-uniformly from 500 to 8,000 (the headline rows);
+    length   G = 8, every completion L tokens, L = 1k, 2k, 4k, 8k (stops for a provider past the cap);
+    step     L = 8k, the completions of one step doubled: G = 8, 16, 32 (the largest step that fits).
+Providers (one micro-batch holds the whole step in all of them, so memory grows with the step):
+    trl_ckpt / trl_nockpt   trl.GRPOTrainer.compute_loss + backward + AdamW step on TRL's padded batch (prompts
+                            left-padded, completions right-padded to the longest), gradient checkpointing on (TRL's
+                            default) / off; SDPA attention;
+    fused_trl               FusedGRPOTrainer (the drop-in), same inputs, TRL's gradient checkpointing on;
+    gk_none / gk_blocks     grpo_kernels' grpo_step (packed, shared prompt, fused LM-head loss) without / with
+                            model.activation_checkpointing = "blocks";
+    gk_sp2                  gk_blocks on 2 ranks (torchrun, gloo) with distributed.sequence_parallel = 2 (FSDP2
+                            over the 2 ranks too: the static memory per rank halves as well); per-rank peak.
+Loss "dapo", beta 0, on-policy, fp32, 2 CPU threads per process (1 per rank for gk_sp2).
+
+Per row: peak_rss_mb (VmHWM of the process, the largest rank's for gk_sp2), base_rss_mb (RSS before the step: model
+and inputs), step_s, tokens_per_s (real tokens / step_s), padding_fraction (pad tokens / tokens the model computed),
+load_before (the 1-minute load average when it started: CPU step times are only comparable on an idle machine),
+status ("ok", "over_cap": the process passed --cap-gb and was stopped, "failed: ..."). A process watches its own
+RSS every 20 ms and exits when it passes the cap, so a provider that cannot fit is recorded, not fatal. Rows are
+appended to benchmarks/results/long_chains/long_chains_<model>.csv as they finish; a rerun skips the rows that are
+there (resumable). At the end (and with --plot-only) it writes the plot (peak memory vs tokens per step, one line
+per provider) and memory_model.md: bytes per token per provider fitted on the measured rows, extrapolated to
+Qwen2.5-7B in bf16 on 80 GB H100s. That extrapolation is a model, not a measurement.
+"""
+
+import argparse
+import csv
+import json
+import math
+import os
+import random
+import resource
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # importable from a plain checkout too
+
+OUT = Path(__file__).resolve().parent / "results" / "long_chains"
+COLUMNS = ["timestamp", "device", "torch", "git_sha", "model", "sweep", "provider", "group_size", "prompts",
+           "min_len", "max_len", "real_tokens", "computed_tokens", "padding_fraction", "step_s", "tokens_per_s",
+           "base_rss_mb", "peak_rss_mb", "cap_mb", "load_before", "status"]  # fmt: skip
+PROVIDERS = ("trl_ckpt", "trl_nockpt", "fused_trl", "gk_none", "gk_blocks", "gk_sp2")
+PROMPT = ("You are a careful tutor. Solve the problem below and show every step of your working: restate what is "
+          "given, write each intermediate result on its own line, check the arithmetic of each line once more, and "
+          "only then give the final answer on a last line of the form 'Answer: <number>'. Problem: a train leaves at "
+          "09:40 and travels 284 km at 71 km/h, stops for 25 minutes, then travels 156 km at 78 km/h. When does it "
+          "arrive, and what was its average speed over the whole journey including the stop?")  # fmt: skip
+EXIT_OVER_CAP = 86
+
+
+def sweeps(quick: bool) -> list[dict]:
+    """The (sweep, G, prompts, length range) points, in the order they run (--quick: two small points)."""
+    if quick:
+        return [dict(sweep="spread", group_size=4, prompts=1, min_len=16, max_len=128),
+                dict(sweep="length", group_size=4, prompts=1, min_len=256, max_len=256)]  # fmt: skip
+    points = [dict(sweep="spread", group_size=g, prompts=1, min_len=500, max_len=8000) for g in (8, 16)]
+    lengths = (1000, 2000, 4000, 8000)
+    points += [dict(sweep="length", group_size=8, prompts=1, min_len=n, max_len=n) for n in lengths]
+    points += [dict(sweep="step", group_size=g, prompts=1, min_len=8000, max_len=8000) for g in (16, 32)]
+    return points
+
+
+def lengths_of(point: dict, seed: int = 0) -> list[int]:
+    """Completion lengths of a point: log-uniform in [min_len, max_len], seeded; the longest drawn is max_len."""
+    n = point["group_size"] * point["prompts"]
+    if point["min_len"] == point["max_len"]:
+        return [point["max_len"]] * n
+    rng = random.Random(seed * 7919 + n)
+    out = [round(math.exp(rng.uniform(math.log(point["min_len"]), math.log(point["max_len"])))) for _ in range(n)]
+    out[0] = point["max_len"]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The worker: one provider, one point, in this process (or one rank of torchrun for gk_sp2).
+
+
+def _rss_mb(field: str = "VmRSS") -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _watch(cap_mb: float) -> None:
+    """Exit this process (code EXIT_OVER_CAP) as soon as its RSS passes cap_mb."""
+
+    def loop():
+        while True:
+            if _rss_mb() > cap_mb:
+                os._exit(EXIT_OVER_CAP)
+            time.sleep(0.02)
+
+    threading.Thread(target=loop, daemon=True).start()
+
+
+def prompt_ids(model_dir: str) -> tuple[list[int], list[int]]:
+    """(the prompt's token ids, the tokenizer's special ids): PROMPT through the chat template when the tokenizer has
+    one; a model without one (the tiny character model) gets a prompt of its own characters of about that length."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    special = sorted(set(tokenizer.all_special_ids))
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids), special
+    return tokenizer("12+34=46" * 12)["input_ids"], special
+
+
+def _inputs(spec: dict, vocab: int, seed: int = 0):
+    """(prompt ids, completions, rewards): the prompt and synthetic completions without special ids."""
+    import torch
+
+    point, prompt, special = spec["point"], spec["prompt_ids"], spec["special_ids"]
+    g = torch.Generator().manual_seed(seed)
+    fill = next(i for i in range(vocab) if i not in set(special))
+    completions = []
+    for n in lengths_of(point, seed):
+        ids = torch.randint(0, vocab, (n,), generator=g)
+        for s in special:
+            ids[ids == s] = fill
+        completions.append(ids)
+    group = point["group_size"]
+    rewards = [float(i % 2) for i in range(group * point["prompts"])]  # every group mixed: every sample has a gradient
+    return torch.tensor(prompt, dtype=torch.long), completions, rewards
+
+
+def _trl_step(spec: dict, model_dir: str) -> dict:
+    import torch
+    import transformers
+    import trl
+    from datasets import Dataset
+
+    from grpo_kernels.integrations import FusedGRPOTrainer
+
+    provider, point = spec["provider"], spec["point"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    b = point["group_size"] * point["prompts"]
+    args = trl.GRPOConfig(output_dir=spec["scratch"], per_device_train_batch_size=b,
+                          num_generations=point["group_size"], max_completion_length=point["max_len"], beta=0.0,
+                          loss_type="dapo", report_to="none", use_cpu=True, save_strategy="no", bf16=False,
+                          gradient_checkpointing=provider != "trl_nockpt")  # fmt: skip
+    cls = FusedGRPOTrainer if provider == "fused_trl" else trl.GRPOTrainer
+    trainer = cls(model=model_dir, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
+                  train_dataset=Dataset.from_dict({"prompt": ["x"]}), processing_class=tokenizer)  # fmt: skip
+    model = trainer.model
+    model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    prompt, completions, rewards = _inputs(spec, model.config.vocab_size)
+    longest = max(c.numel() for c in completions)
+    completion_ids = torch.full((b, longest), tokenizer.pad_token_id or 0, dtype=torch.long)
+    mask = torch.zeros(b, longest, dtype=torch.long)
+    for i, c in enumerate(completions):
+        completion_ids[i, : c.numel()], mask[i, : c.numel()] = c, 1
+    r = torch.tensor(rewards).view(-1, point["group_size"])
+    adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).flatten()
+    inputs = {"prompt_ids": prompt.expand(b, -1).clone(),
+              "prompt_mask": torch.ones(b, prompt.numel(), dtype=torch.long), "completion_ids": completion_ids,
+              "completion_mask": mask, "advantages": adv,
+              "num_items_in_batch": mask.sum()}  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+
+    def step(batch):
+        optimizer.zero_grad(set_to_none=True)
+        loss = trainer.compute_loss(model, batch)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    step({k: v[:2, :8] if k.startswith("completion") else v[:2] for k, v in inputs.items() if k != "num_items_in_batch"}
+         | {"num_items_in_batch": mask[:2, :8].sum()})  # warm-up: first calls, Adam's state  # fmt: skip
+    base = _rss_mb()
+    start = time.perf_counter()
+    loss = step(inputs)
+    elapsed = time.perf_counter() - start
+    real = b * prompt.numel() + sum(c.numel() for c in completions)
+    computed = b * (prompt.numel() + longest)
+    return dict(step_s=elapsed, real_tokens=real, computed_tokens=computed, pad_tokens=computed - real,
+                base_rss_mb=base, loss=float(loss))  # fmt: skip
+
+
+def _gk_step(spec: dict, model_dir: str) -> dict:
+    import torch
+
+    from grpo_kernels.train.fsdp import checkpoint_blocks, init_distributed, shard
+    from grpo_kernels.train.hf_model import load_policy
+    from grpo_kernels.train.rollout import Rollout
+    from grpo_kernels.train.step import Policy, grpo_step
+
+    provider, point = spec["provider"], spec["point"]
+    sp = 2 if provider == "gk_sp2" else 1
+    d = init_distributed("gloo", sequence_parallel=sp) if sp > 1 else None
+    model, _ = load_policy(model_dir, dtype="float32")
+    if provider != "gk_none":
+        checkpoint_blocks(model.base_model.layers)
+    policy = Policy(model)
+    if d is not None:
+        shard(policy, model.base_model.layers, device=d.device, world=d.world, dtype=torch.float32)
+    prompt, completions, rewards = _inputs(spec, model.config.vocab_size)
+    n = len(completions)
+    rollout = Rollout(prompt_ids=[prompt] * n, completion_ids=completions,
+                      sampler_logps=[torch.zeros(c.numel()) for c in completions],
+                      group_size=point["group_size"]).with_rewards(rewards)  # fmt: skip
+    real = n * prompt.numel() + sum(c.numel() for c in completions)  # what a padded batch holds without its pads
+    packed = point["prompts"] * prompt.numel() + sum(c.numel() for c in completions)  # the shared prompt once
+    budget = -(-packed // sp)  # one micro-batch holds the whole step, as in the TRL providers
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+    kw = {} if d is None else {"dist": d}
+
+    def step(batch, token_budget):
+        return grpo_step(policy, optimizer, batch, loss_options={"loss_type": "dapo"}, temperature=1.0,
+                         token_budget=token_budget, shared_prefix=True, **kw)  # fmt: skip
+
+    warm = Rollout(prompt_ids=[prompt] * 2, completion_ids=[c[:8] for c in completions[:2]],
+                   sampler_logps=[torch.zeros(8)] * 2, group_size=2).with_rewards([0.0, 1.0])  # fmt: skip
+    step(warm, prompt.numel() + 16)  # warm-up: first calls, Adam's state
+    base = _rss_mb()
+    start = time.perf_counter()
+    metrics = step(rollout, budget)
+    elapsed = time.perf_counter() - start
+    pad = budget * sp - packed
+    return dict(step_s=elapsed, real_tokens=real, computed_tokens=packed + pad, pad_tokens=pad, base_rss_mb=base,
+                loss=metrics["loss"], rank=0 if d is None else d.rank)  # fmt: skip
+
+
+def worker(spec: dict) -> None:
+    """Run one measurement in this process; prints one JSON line (per rank under torchrun)."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    _watch(spec["cap_mb"])
+    model_dir = spec["model_dir"]
+    result = (_trl_step if spec["provider"].startswith(("trl", "fused")) else _gk_step)(spec, model_dir)
+    result["peak_rss_mb"] = _rss_mb("VmHWM")
+    result["ru_maxrss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The driver.
+
+
+def measure(provider: str, point: dict, *, model_dir: str, cap_mb: float, scratch: str, timeout: float) -> dict:
+    """Run one (provider, point) in a fresh process (2 for gk_sp2); the row's measured fields and status."""
+    sp = provider == "gk_sp2"
+    prompt, special = prompt_ids(model_dir)
+    spec = dict(provider=provider, point=point, model_dir=model_dir, cap_mb=cap_mb, scratch=scratch,
+                threads=1 if sp else 2, prompt_ids=prompt, special_ids=special)  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = str(spec["threads"])
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    script = [str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+    if sp:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", *script]
+    else:
+        cmd = [sys.executable, *script]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": f"failed: over the {timeout:.0f} s timeout"}
+    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode == 0 and len(results) == (2 if sp else 1):
+        out = dict(results[0])
+        out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in results)
+        out["base_rss_mb"] = max(r["base_rss_mb"] for r in results)
+        out["status"] = "ok"
+        return out
+    if f"exitcode  : {EXIT_OVER_CAP}" in proc.stderr or proc.returncode == EXIT_OVER_CAP:
+        return {"status": "over_cap"}
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"status": f"failed: {tail[:160]}"}
+
+
+def _csv_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def _key(row) -> tuple:
+    return (row["provider"], row["sweep"], str(row["group_size"]), str(row["prompts"]), str(row["min_len"]),
+            str(row["max_len"]))  # fmt: skip
+
+
+def run(args) -> Path:
+    from benchmarks.common import run_meta
+
+    quick = args.quick
+    if quick:
+        import tempfile
+
+        from grpo_kernels.train.hf_model import write_tiny_checkpoint
+
+        scratch = tempfile.mkdtemp(prefix="long-chains-")
+        model_dir, model_name = str(write_tiny_checkpoint(Path(scratch) / "model")), "tiny"
+    else:
+        from grpo_kernels.train.models import resolve_model
+
+        scratch = str(OUT / "scratch")
+        model_dir, model_name = str(resolve_model(args.model) or args.model), Path(args.model).name
+    csv_path = args.csv or OUT / f"long_chains_{model_name}.csv"
+    done = {_key(r) for r in _csv_rows(csv_path)}
+    meta = run_meta("cpu")
+    meta.pop("triton")
+    cap_mb = args.cap_gb * 1024
+    providers = [p for p in PROVIDERS if p in args.providers.split(",")]
+    over: set = set()  # (provider, sweep) past the cap: its larger points are not tried
+    for point in sweeps(quick):
+        for provider in providers:
+            row = {**meta, "model": model_name, "provider": provider, **point, "cap_mb": round(cap_mb)}
+            if _key(row) in done:
+                continue
+            if (provider, point["sweep"]) in over and point["sweep"] != "spread":
+                row["status"] = "skipped: a smaller point of this sweep was over the cap"
+            else:
+                print(f"{provider:11s} {point}", flush=True)
+                row["load_before"] = round(os.getloadavg()[0], 2)  # other work on the cores skews step_s
+                row.update(measure(provider, point, model_dir=model_dir, cap_mb=cap_mb, scratch=scratch,
+                                   timeout=args.timeout))  # fmt: skip
+                print(f"            -> {row['status']}" + (f", {row['peak_rss_mb']:.0f} MB peak, {row['step_s']:.1f} s"
+                                                            if row["status"] == "ok" else ""), flush=True)  # fmt: skip
+            if row["status"] == "over_cap":
+                over.add((provider, point["sweep"]))
+            if row["status"] == "ok":
+                row["padding_fraction"] = round(row["pad_tokens"] / row["computed_tokens"], 4)
+                row["tokens_per_s"] = round(row["real_tokens"] / row["step_s"], 1)
+                row["step_s"] = round(row["step_s"], 2)
+                row["peak_rss_mb"], row["base_rss_mb"] = round(row["peak_rss_mb"]), round(row["base_rss_mb"])
+            _append(csv_path, row)
+    if quick:
+        import shutil
+
+        shutil.rmtree(scratch, ignore_errors=True)
+    report(csv_path)
+    return csv_path
+
+
+def _append(path: Path, row: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        if new:
+            w.writeheader()
+        w.writerow(row)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Report: table, plot, memory model.
+
+# Qwen2.5-7B (config.json): 28 layers, hidden 3584, MLP 18944, 28 query / 4 KV heads of 128, vocab 152064.
+QWEN7B = dict(layers=28, hidden=3584, intermediate=18944, params=7.62e9)
+H100_GB = 80.0
+
+
+def fit(rows: list[dict]) -> dict:
+    """{provider: (bytes per token, static MB)}: least squares of peak RSS on tokens computed, over the provider's
+    ok rows of the length and step sweeps (and spread)."""
+    out = {}
+    for provider in PROVIDERS:
+        pts = [(float(r["computed_tokens"]), float(r["peak_rss_mb"])) for r in rows
+               if r["provider"] == provider and r["status"] == "ok"]  # fmt: skip
+        if len({x for x, _ in pts}) < 2:
+            continue
+        n = len(pts)
+        mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+        slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+        out[provider] = (slope * 2**20, my - slope * mx)
+    return out
+
+
+def memory_model(rows: list[dict], config: dict) -> str:
+    """Markdown: the fitted bytes/token and the extrapolation to Qwen2.5-7B bf16 on 80 GB GPUs (a model)."""
+    fits = fit(rows)
+    if not fits:
+        return "No provider has two measured points: no memory model.\n"
+    layers, hidden, inter = config["layers"], config["hidden"], config["intermediate"]
+    scale = (QWEN7B["layers"] * (QWEN7B["hidden"] + QWEN7B["intermediate"])) / (layers * (hidden + inter)) * 0.5
+    # Static memory per GPU under FSDP2 over 8 GPUs: bf16 params + fp32 master weights, fp32 gradients and two Adam
+    # moments = 18 bytes per parameter, sharded 8 ways; plus one unsharded bf16 block in flight (small).
+    static_gb = QWEN7B["params"] * 18 / 8 / 2**30
+    lines = [
+        "# Memory model (fitted on the measured rows; the 7B columns are an extrapolation, not a measurement)",
+        "",
+        f"Measured model: {layers} layers, hidden {hidden}, MLP {inter}, fp32. Per provider, peak RSS = static + "
+        "bytes/token x tokens computed per step (least squares over its measured rows).",
+        f"Extrapolation to Qwen2.5-7B in bf16: bytes/token scaled by layers x (hidden + MLP) "
+        f"({QWEN7B['layers']} x ({QWEN7B['hidden']} + {QWEN7B['intermediate']}) / ({layers} x ({hidden} + {inter}))) "
+        f"and by 0.5 for bf16 = x{scale:.1f}; static {static_gb:.1f} GB per GPU (FSDP2 over 8 GPUs: 18 bytes per "
+        f"parameter: bf16 weights, fp32 master, gradients and two Adam moments); {H100_GB:.0f} GB per GPU. "
+        "With SP = N, a GPU holds 1/N of the tokens' activations. Longest chain = the tokens per GPU that fit, for one "
+        "completion per micro-batch.",
+        "",
+        "| provider | bytes/token (measured) | static MB (measured) | 7B bytes/token (model) | longest chain per "
+        "GPU, SP=1 (model) | SP=2 | SP=4 | SP=8 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    free = (H100_GB - static_gb) * 2**30
+    for provider, (per_token, static) in fits.items():
+        b7 = per_token * scale
+        chains = [f"{free * n / b7 / 1e3:.0f}k" if b7 > 0 else "-" for n in (1, 2, 4, 8)]
+        if not provider.startswith("gk_") or provider == "gk_sp2":  # SP is the trainer's; gk_sp2 is measured per rank
+            chains[1:] = ["-"] * 3
+        lines.append(f"| {provider} | {per_token / 1e3:.1f} kB | {static:.0f} | {b7 / 1e6:.2f} MB | "
+                     + " | ".join(chains) + " |")  # fmt: skip
+    lines += ["", "gk_sp2's slope is a rank's peak over the whole row's tokens (each rank computes half): it checks "
+              "the "
+              "SP columns of gk_blocks (about half of gk_blocks' slope expected). Attention's own working memory (SDPA "
+              "per sequence) and the allocator's fragmentation are in the measured slopes; GPU attention kernels need "
+              "less than the CPU path measured here. The static term on CPU includes the Python process, torch and "
+              "the model's fp32 weights, gradients and Adam moments.", ""]
+    return "\n".join(lines)
+
+
+def report(csv_path: Path) -> None:
+    rows = _csv_rows(csv_path)
+    if not rows:
+        print(f"no rows in {csv_path}")
+        return
+    print("\n| sweep | G | lengths | provider | status | peak MB | step s | tokens/s | padding |")
+    print("|---|---:|---|---|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['sweep']} | {r['group_size']} | {r['min_len']}-{r['max_len']} | {r['provider']} | {r['status']} | "
+              f"{r['peak_rss_mb']} | {r['step_s']} | {r['tokens_per_s']} | {r['padding_fraction']} |")  # fmt: skip
+    config = _model_config(rows[-1]["model"])
+    if config is not None:
+        (csv_path.parent / "memory_model.md").write_text(memory_model(rows, config))
+    _plot(rows, csv_path.with_suffix(".png"))
+
+
+def _model_config(name: str) -> dict | None:
+    if name == "tiny":
+        return dict(layers=2, hidden=128, intermediate=256)
+    if name == "smollm2-135m":
+        return dict(layers=30, hidden=576, intermediate=1536)
+    return None
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for provider in PROVIDERS:
+        pts = sorted((int(r["computed_tokens"]), float(r["peak_rss_mb"]) / 1024) for r in rows
+                     if r["provider"] == provider and r["status"] == "ok")  # fmt: skip
+        if pts:
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=provider)
+    cap = max(float(r["cap_mb"]) for r in rows) / 1024
+    ax.axhline(cap, color="gray", linestyle="--", linewidth=1, label=f"cap {cap:.0f} GB")
+    ax.set_xscale("log")
+    ax.set_xlabel("tokens computed per step (padding included)")
+    ax.set_ylabel("peak RSS per process (GB)")
+    ax.set_title(f"One GRPO step, {rows[-1]['model']}, fp32, CPU")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the tiny model, short chains (the smoke test)")
+    parser.add_argument("--model", default="smollm2-135m", help="a known model name or an HF directory")
+    parser.add_argument("--cap-gb", type=float, default=12.0, help="memory cap per process (GB)")
+    parser.add_argument("--providers", default=",".join(PROVIDERS),
+                        help="comma-separated subset of " + ", ".join(PROVIDERS))  # fmt: skip
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds one measurement may take")
+    parser.add_argument("--csv", type=Path, help="rows go here instead of benchmarks/results/long_chains/")
+    parser.add_argument("--plot-only", action="store_true", help="rebuild the report from the CSV")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one measurement (JSON spec)
+    args = parser.parse_args()
+    if args.worker:
+        worker(json.loads(args.worker))
+        return
+    if args.plot_only:
+        report(args.csv or OUT / f"long_chains_{Path(args.model).name}.csv")
+        return
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""The long-chain benchmark's quick path: every provider measured in its own process on the tiny model, the rows,
+the memory model and the plot written; a provider over the memory cap is recorded, not fatal."""
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "long_chains.py"
+
+
+def _run(tmp_path, *extra):
+    out = tmp_path / "rows.csv"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--csv", str(out), *extra], capture_output=True,
+                          text=True, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with out.open() as f:
+        return list(csv.DictReader(f)), proc.stdout
+
+
+@pytest.mark.slow
+def test_quick_long_chains_measures_every_provider_and_writes_the_report(tmp_path):
+    # three of the six providers (the others are the same code with a flag flipped), to keep the suite short
+    rows, stdout = _run(tmp_path, "--providers", "trl_ckpt,gk_blocks,gk_sp2")
+    assert [(r["sweep"], r["provider"]) for r in rows] == [(s, p) for s in ("spread", "length")
+                                                           for p in ("trl_ckpt", "gk_blocks", "gk_sp2")]  # fmt: skip
+    by = {r["provider"]: r for r in rows if r["sweep"] == "spread"}
+    assert all(r["status"] == "ok" for r in rows), [(r["provider"], r["status"]) for r in rows]
+    for r in rows:
+        assert float(r["peak_rss_mb"]) >= float(r["base_rss_mb"]) > 100 and float(r["step_s"]) > 0
+    # TRL pads every completion to the longest (16..128 tokens drawn): a real share of its tokens is padding; the
+    # packed step computes none (SP rounds the row to a multiple of 2: at most one pad token)
+    assert float(by["trl_ckpt"]["padding_fraction"]) > 0.1
+    assert float(by["gk_blocks"]["padding_fraction"]) == 0.0
+    assert int(by["gk_sp2"]["computed_tokens"]) - int(by["gk_blocks"]["computed_tokens"]) in (0, 1)
+    assert int(by["trl_ckpt"]["real_tokens"]) == int(by["gk_blocks"]["real_tokens"])  # the same step
+    model = (tmp_path / "memory_model.md").read_text()
+    assert "extrapolation, not a measurement" in model
+    assert all(f"| {p} |" in model for p in ("trl_ckpt", "gk_blocks", "gk_sp2"))
+    assert (tmp_path / "rows.png").stat().st_size > 1000
+    assert "| spread | 4 | 16-128 | gk_sp2 | ok |" in stdout
+    # resumable: a rerun measures nothing new
+    again, _ = _run(tmp_path, "--providers", "trl_ckpt,gk_blocks,gk_sp2")
+    assert len(again) == len(rows)
+
+
+@pytest.mark.slow
+def test_a_provider_over_the_memory_cap_is_recorded_not_fatal(tmp_path):
+    rows, _ = _run(tmp_path, "--cap-gb", "0.2", "--providers", "gk_blocks")
+    assert [r["status"] for r in rows] == ["over_cap", "over_cap"]  # both quick points

@@ -10,7 +10,8 @@ The step: P prompts (a ~100-token chat prompt asking for worked reasoning) with 
 are synthetic token sequences (random ids of the model's vocabulary, no special tokens), seeded. Sweeps:
     spread   G = 8 and 16, one prompt, lengths drawn log-uniformly from 500 to 8,000 (the headline rows);
     length   G = 8, every completion L tokens, L = 1k, 2k, 4k, 8k (stops for a provider past the cap);
-    step     L = 8k, the completions of one step doubled: G = 8, 16, 32 (the largest step that fits).
+    step     L = 8k, the completions of one step doubled: G = 16, 32 (the largest step that fits).
+They run cheapest first (length 1k, 2k, spread G = 8, length 4k, spread G = 16, length 8k, step).
 Providers (one micro-batch holds the whole step in all of them, so memory grows with the step):
     trl_ckpt / trl_nockpt   trl.GRPOTrainer.compute_loss + backward + AdamW step on TRL's padded batch (prompts
                             left-padded, completions right-padded to the longest), gradient checkpointing on (TRL's
@@ -66,11 +67,11 @@ def sweeps(quick: bool) -> list[dict]:
     if quick:
         return [dict(sweep="spread", group_size=4, prompts=1, min_len=16, max_len=128),
                 dict(sweep="length", group_size=4, prompts=1, min_len=256, max_len=256)]  # fmt: skip
-    points = [dict(sweep="spread", group_size=g, prompts=1, min_len=500, max_len=8000) for g in (8, 16)]
-    lengths = (1000, 2000, 4000, 8000)
-    points += [dict(sweep="length", group_size=8, prompts=1, min_len=n, max_len=n) for n in lengths]
-    points += [dict(sweep="step", group_size=g, prompts=1, min_len=8000, max_len=8000) for g in (16, 32)]
-    return points
+    spread = [dict(sweep="spread", group_size=g, prompts=1, min_len=500, max_len=8000) for g in (8, 16)]
+    length = [dict(sweep="length", group_size=8, prompts=1, min_len=n, max_len=n) for n in (1000, 2000, 4000, 8000)]
+    step = [dict(sweep="step", group_size=g, prompts=1, min_len=8000, max_len=8000) for g in (16, 32)]
+    # the cheap points first: a run cut short (hours on CPU; a rerun resumes) still has the memory lines
+    return [*length[:2], spread[0], length[2], spread[1], length[3], *step]
 
 
 def lengths_of(point: dict, seed: int = 0) -> list[int]:

@@ -54,11 +54,9 @@ COLUMNS = ["timestamp", "device", "torch", "git_sha", "model", "sweep", "provide
            "min_len", "max_len", "real_tokens", "computed_tokens", "padding_fraction", "step_s", "tokens_per_s",
            "base_rss_mb", "peak_rss_mb", "cap_mb", "load_before", "status"]  # fmt: skip
 PROVIDERS = ("trl_ckpt", "trl_nockpt", "fused_trl", "gk_none", "gk_blocks", "gk_sp2")
-PROMPT = ("You are a careful tutor. Solve the problem below and show every step of your working: restate what is "
-          "given, write each intermediate result on its own line, check the arithmetic of each line once more, and "
-          "only then give the final answer on a last line of the form 'Answer: <number>'. Problem: a train leaves at "
-          "09:40 and travels 284 km at 71 km/h, stops for 25 minutes, then travels 156 km at 78 km/h. When does it "
-          "arrive, and what was its average speed over the whole journey including the stop?")  # fmt: skip
+PROMPT = ("Solve the problem and show every step of your working, one intermediate result per line, then give the "
+          "final answer as 'Answer: <number>'. A train travels 284 km at 71 km/h, stops for 25 minutes, then travels "
+          "156 km at 78 km/h. What was its average speed over the whole journey, the stop included?")  # fmt: skip
 EXIT_OVER_CAP = 86
 
 
@@ -117,7 +115,8 @@ def prompt_ids(model_dir: str) -> tuple[list[int], list[int]]:
     special = sorted(set(tokenizer.all_special_ids))
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids), special
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # a BatchEncoding in recent transformers
+        return [int(i) for i in ids], special
     return tokenizer("12+34=46" * 12)["input_ids"], special
 
 

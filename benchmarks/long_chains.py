@@ -9,9 +9,9 @@ Usage (from the repository root):
 The step: P prompts (a ~100-token chat prompt asking for worked reasoning) with G completions each; completions
 are synthetic token sequences (random ids of the model's vocabulary, no special tokens), seeded. Sweeps:
     spread   G = 8 and 16, one prompt, lengths drawn log-uniformly from 500 to 8,000 (the headline rows);
-    length   G = 8, every completion L tokens, L = 1k, 2k, 4k, 8k (stops for a provider past the cap);
+    length   G = 8, every completion L tokens, L = 250, 500, 1k, 2k, 4k, 8k (stops for a provider past the cap);
     step     L = 8k, the completions of one step doubled: G = 16, 32 (the largest step that fits).
-They run cheapest first (length 1k, 2k, spread G = 8, length 4k, spread G = 16, length 8k, step).
+They run cheapest first (length up to 2k, spread G = 8, length 4k, spread G = 16, length 8k, step).
 Providers (one micro-batch holds the whole step in all of them, so memory grows with the step):
     trl_ckpt / trl_nockpt   trl.GRPOTrainer.compute_loss + backward + AdamW step on TRL's padded batch (prompts
                             left-padded, completions right-padded to the longest), gradient checkpointing on (TRL's
@@ -19,19 +19,22 @@ Providers (one micro-batch holds the whole step in all of them, so memory grows 
     fused_trl               FusedGRPOTrainer (the drop-in), same inputs, TRL's gradient checkpointing on;
     gk_none / gk_blocks     grpo_kernels' grpo_step (packed, shared prompt, fused LM-head loss) without / with
                             model.activation_checkpointing = "blocks";
-    gk_sp2                  gk_blocks on 2 ranks (torchrun, gloo) with distributed.sequence_parallel = 2 (FSDP2
-                            over the 2 ranks too: the static memory per rank halves as well); per-rank peak.
-Loss "dapo", beta 0, on-policy, fp32, 2 CPU threads per process (1 per rank for gk_sp2).
+    gk_sp                   gk_blocks on N ranks (torchrun, gloo) with distributed.sequence_parallel = N, the
+                            smallest N >= 2 that divides the model's query heads (Ulysses splits heads): 2 for the
+                            tiny model, 3 for SmolLM2-135M (9 heads, 3 KV heads); FSDP2 over the N ranks too, so the
+                            static memory per rank drops as well; per-rank peak, each rank capped at
+                            min(--cap-gb, --machine-gb / N).
+Loss "dapo", beta 0, on-policy, fp32, 2 CPU threads per process (1 per rank for gk_sp).
 
-Per row: peak_rss_mb (VmHWM of the process, the largest rank's for gk_sp2), base_rss_mb (RSS before the step: model
-and inputs), step_s, tokens_per_s (real tokens / step_s), padding_fraction (pad tokens / tokens the model computed),
-load_before (the 1-minute load average when it started: CPU step times are only comparable on an idle machine),
-status ("ok", "over_cap": the process passed --cap-gb and was stopped, "failed: ..."). A process watches its own
-RSS every 20 ms and exits when it passes the cap, so a provider that cannot fit is recorded, not fatal. Rows are
-appended to benchmarks/results/long_chains/long_chains_<model>.csv as they finish; a rerun skips the rows that are
-there (resumable). At the end (and with --plot-only) it writes the plot (peak memory vs tokens per step, one line
-per provider) and memory_model.md: bytes per token per provider fitted on the measured rows, extrapolated to
-Qwen2.5-7B in bf16 on 80 GB H100s. That extrapolation is a model, not a measurement.
+Per row: sp (ranks), peak_rss_mb (VmHWM of the process, the largest rank's for gk_sp), base_rss_mb (RSS before the
+step: model, optimizer state and inputs), step_s, tokens_per_s (real tokens / step_s), padding_fraction (pad tokens
+/ tokens the model computed), load_before (the 1-minute load average when it started: CPU step times are only
+comparable on an idle machine), status ("ok", "over_cap": the process passed --cap-gb and was stopped, "failed:
+..."). A process watches its own RSS every 20 ms and exits when it passes the cap, so a provider that cannot fit is
+recorded, not fatal. Rows are appended to benchmarks/results/long_chains/long_chains_<model>.csv as they finish; a
+rerun skips the rows that are there (resumable). At the end (and with --plot-only) it writes the plot (peak memory
+vs tokens per step, one line per provider) and memory_model.md: bytes per token per provider fitted on the measured
+rows, extrapolated to Qwen2.5-7B in bf16 on 80 GB H100s. That extrapolation is a model, not a measurement.
 """
 
 import argparse
@@ -52,8 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # importable from 
 OUT = Path(__file__).resolve().parent / "results" / "long_chains"
 COLUMNS = ["timestamp", "device", "torch", "git_sha", "model", "sweep", "provider", "group_size", "prompts",
            "min_len", "max_len", "real_tokens", "computed_tokens", "padding_fraction", "step_s", "tokens_per_s",
-           "base_rss_mb", "peak_rss_mb", "cap_mb", "load_before", "status"]  # fmt: skip
-PROVIDERS = ("trl_ckpt", "trl_nockpt", "fused_trl", "gk_none", "gk_blocks", "gk_sp2")
+           "sp", "base_rss_mb", "peak_rss_mb", "cap_mb", "load_before", "status"]  # fmt: skip
+PROVIDERS = ("trl_ckpt", "trl_nockpt", "fused_trl", "gk_none", "gk_blocks", "gk_sp")
 PROMPT = ("Solve the problem and show every step of your working, one intermediate result per line, then give the "
           "final answer as 'Answer: <number>'. A train travels 284 km at 71 km/h, stops for 25 minutes, then travels "
           "156 km at 78 km/h. What was its average speed over the whole journey, the stop included?")  # fmt: skip
@@ -66,10 +69,11 @@ def sweeps(quick: bool) -> list[dict]:
         return [dict(sweep="spread", group_size=4, prompts=1, min_len=16, max_len=128),
                 dict(sweep="length", group_size=4, prompts=1, min_len=256, max_len=256)]  # fmt: skip
     spread = [dict(sweep="spread", group_size=g, prompts=1, min_len=500, max_len=8000) for g in (8, 16)]
-    length = [dict(sweep="length", group_size=8, prompts=1, min_len=n, max_len=n) for n in (1000, 2000, 4000, 8000)]
+    length = [dict(sweep="length", group_size=8, prompts=1, min_len=n, max_len=n)
+              for n in (250, 500, 1000, 2000, 4000, 8000)]  # fmt: skip
     step = [dict(sweep="step", group_size=g, prompts=1, min_len=8000, max_len=8000) for g in (16, 32)]
     # the cheap points first: a run cut short (hours on CPU; a rerun resumes) still has the memory lines
-    return [*length[:2], spread[0], length[2], spread[1], length[3], *step]
+    return [*length[:4], spread[0], length[4], spread[1], length[5], *step]
 
 
 def lengths_of(point: dict, seed: int = 0) -> list[int]:
@@ -84,7 +88,7 @@ def lengths_of(point: dict, seed: int = 0) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# The worker: one provider, one point, in this process (or one rank of torchrun for gk_sp2).
+# The worker: one provider, one point, in this process (or one rank of torchrun for gk_sp).
 
 
 def _rss_mb(field: str = "VmRSS") -> float:
@@ -202,7 +206,7 @@ def _gk_step(spec: dict, model_dir: str) -> dict:
     from grpo_kernels.train.step import Policy, grpo_step
 
     provider, point = spec["provider"], spec["point"]
-    sp = 2 if provider == "gk_sp2" else 1
+    sp = spec["sp"]
     d = init_distributed("gloo", sequence_parallel=sp) if sp > 1 else None
     model, _ = load_policy(model_dir, dtype="float32")
     if provider != "gk_none":
@@ -254,18 +258,26 @@ def worker(spec: dict) -> None:
 # The driver.
 
 
+def sp_size(model_dir: str) -> int:
+    """The smallest N >= 2 dividing the model's query heads: the sequence-parallel size gk_sp runs."""
+    import transformers
+
+    heads = transformers.AutoConfig.from_pretrained(model_dir).num_attention_heads
+    return next(n for n in range(2, heads + 1) if heads % n == 0)
+
+
 def measure(provider: str, point: dict, *, model_dir: str, cap_mb: float, scratch: str, timeout: float) -> dict:
-    """Run one (provider, point) in a fresh process (2 for gk_sp2); the row's measured fields and status."""
-    sp = provider == "gk_sp2"
+    """Run one (provider, point) in a fresh process (N for gk_sp); the row's measured fields and status."""
+    sp = sp_size(model_dir) if provider == "gk_sp" else 1
     prompt, special = prompt_ids(model_dir)
-    spec = dict(provider=provider, point=point, model_dir=model_dir, cap_mb=cap_mb, scratch=scratch,
-                threads=1 if sp else 2, prompt_ids=prompt, special_ids=special)  # fmt: skip
+    spec = dict(provider=provider, point=point, model_dir=model_dir, cap_mb=cap_mb, scratch=scratch, sp=sp,
+                threads=1 if sp > 1 else 2, prompt_ids=prompt, special_ids=special)  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = str(spec["threads"])
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     script = [str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
-    if sp:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", *script]
+    if sp > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={sp}", "--standalone", *script]
     else:
         cmd = [sys.executable, *script]
     try:
@@ -273,8 +285,8 @@ def measure(provider: str, point: dict, *, model_dir: str, cap_mb: float, scratc
     except subprocess.TimeoutExpired:
         return {"status": f"failed: over the {timeout:.0f} s timeout"}
     results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode == 0 and len(results) == (2 if sp else 1):
-        out = dict(results[0])
+    if proc.returncode == 0 and len(results) == sp:
+        out = dict(results[0], sp=sp)
         out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in results)
         out["base_rss_mb"] = max(r["base_rss_mb"] for r in results)
         out["status"] = "ok"
@@ -317,12 +329,14 @@ def run(args) -> Path:
     done = {_key(r) for r in _csv_rows(csv_path)}
     meta = run_meta("cpu")
     meta.pop("triton")
-    cap_mb = args.cap_gb * 1024
+    sp = sp_size(model_dir)
     providers = [p for p in PROVIDERS if p in args.providers.split(",")]
     over: set = set()  # (provider, sweep) past the cap: its larger points are not tried
     for point in sweeps(quick):
         for provider in providers:
-            row = {**meta, "model": model_name, "provider": provider, **point, "cap_mb": round(cap_mb)}
+            ranks = sp if provider == "gk_sp" else 1
+            cap_mb = min(args.cap_gb, args.machine_gb / ranks) * 1024  # the ranks of gk_sp share the machine
+            row = {**meta, "model": model_name, "provider": provider, **point, "sp": ranks, "cap_mb": round(cap_mb)}
             if _key(row) in done:
                 continue
             if (provider, point["sweep"]) in over and point["sweep"] != "spread":
@@ -414,13 +428,13 @@ def memory_model(rows: list[dict], config: dict) -> str:
     for provider, (per_token, static) in fits.items():
         b7 = per_token * scale
         chains = [f"{free * n / b7 / 1e3:.0f}k" if b7 > 0 else "-" for n in (1, 2, 4, 8)]
-        if not provider.startswith("gk_") or provider == "gk_sp2":  # SP is the trainer's; gk_sp2 is measured per rank
+        if not provider.startswith("gk_") or provider == "gk_sp":  # SP is the trainer's; gk_sp is measured per rank
             chains[1:] = ["-"] * 3
         lines.append(f"| {provider} | {per_token / 1e3:.1f} kB | {static:.0f} | {b7 / 1e6:.2f} MB | "
                      + " | ".join(chains) + " |")  # fmt: skip
-    lines += ["", "gk_sp2's slope is a rank's peak over the whole row's tokens (each rank computes half): it checks "
+    lines += ["", "gk_sp's slope is a rank's peak over the whole row's tokens (each rank computes 1/N): it checks "
               "the "
-              "SP columns of gk_blocks (about half of gk_blocks' slope expected). Attention's own working memory (SDPA "
+              "SP columns of gk_blocks (about 1/N of gk_blocks' slope expected). Attention's own working memory (SDPA "
               "per sequence) and the allocator's fragmentation are in the measured slopes; GPU attention kernels need "
               "less than the CPU path measured here. The static term on CPU includes the Python process, torch and "
               "the model's fp32 weights, gradients and Adam moments.", ""]
@@ -483,6 +497,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the tiny model, short chains (the smoke test)")
     parser.add_argument("--model", default="smollm2-135m", help="a known model name or an HF directory")
     parser.add_argument("--cap-gb", type=float, default=12.0, help="memory cap per process (GB)")
+    parser.add_argument("--machine-gb", type=float, default=20.0,
+                        help="memory the N ranks of gk_sp may take together: each is capped at min(cap, this / N)")
     parser.add_argument("--providers", default=",".join(PROVIDERS),
                         help="comma-separated subset of " + ", ".join(PROVIDERS))  # fmt: skip
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds one measurement may take")

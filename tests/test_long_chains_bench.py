@@ -23,9 +23,9 @@ def _run(tmp_path, *extra):
 @pytest.mark.slow
 def test_quick_long_chains_measures_every_provider_and_writes_the_report(tmp_path):
     # three of the six providers (the others are the same code with a flag flipped), to keep the suite short
-    rows, stdout = _run(tmp_path, "--providers", "trl_ckpt,gk_blocks,gk_sp2")
+    rows, stdout = _run(tmp_path, "--providers", "trl_ckpt,gk_blocks,gk_sp")
     assert [(r["sweep"], r["provider"]) for r in rows] == [(s, p) for s in ("spread", "length")
-                                                           for p in ("trl_ckpt", "gk_blocks", "gk_sp2")]  # fmt: skip
+                                                           for p in ("trl_ckpt", "gk_blocks", "gk_sp")]  # fmt: skip
     by = {r["provider"]: r for r in rows if r["sweep"] == "spread"}
     assert all(r["status"] == "ok" for r in rows), [(r["provider"], r["status"]) for r in rows]
     for r in rows:
@@ -34,15 +34,16 @@ def test_quick_long_chains_measures_every_provider_and_writes_the_report(tmp_pat
     # packed step computes none (SP rounds the row to a multiple of 2: at most one pad token)
     assert float(by["trl_ckpt"]["padding_fraction"]) > 0.1
     assert float(by["gk_blocks"]["padding_fraction"]) == 0.0
-    assert int(by["gk_sp2"]["computed_tokens"]) - int(by["gk_blocks"]["computed_tokens"]) in (0, 1)
+    assert int(by["gk_sp"]["sp"]) == 2  # the tiny model's 4 heads: the smallest N that divides them
+    assert int(by["gk_sp"]["computed_tokens"]) - int(by["gk_blocks"]["computed_tokens"]) in (0, 1)
     assert int(by["trl_ckpt"]["real_tokens"]) == int(by["gk_blocks"]["real_tokens"])  # the same step
     model = (tmp_path / "memory_model.md").read_text()
     assert "extrapolation, not a measurement" in model
-    assert all(f"| {p} |" in model for p in ("trl_ckpt", "gk_blocks", "gk_sp2"))
+    assert all(f"| {p} |" in model for p in ("trl_ckpt", "gk_blocks", "gk_sp"))
     assert (tmp_path / "rows.png").stat().st_size > 1000
-    assert "| spread | 4 | 16-128 | gk_sp2 | ok |" in stdout
+    assert "| spread | 4 | 16-128 | gk_sp | ok |" in stdout
     # resumable: a rerun measures nothing new
-    again, _ = _run(tmp_path, "--providers", "trl_ckpt,gk_blocks,gk_sp2")
+    again, _ = _run(tmp_path, "--providers", "trl_ckpt,gk_blocks,gk_sp")
     assert len(again) == len(rows)
 
 

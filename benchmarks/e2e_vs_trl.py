@@ -21,8 +21,10 @@ of two 3-digit numbers ("123+456=" -> "579": every prompt has 8 characters), wri
 reward function (the same `grpo_kernels.train.tasks.numeric_match`). Same G, prompts per step (TRL's
 per_device_train_batch_size = prompts x G completions, one optimizer step per generation), max new tokens,
 temperature 1, loss "dapo", beta 0, AdamW (lr 1e-3, betas 0.9/0.95), grad clip 1, constant schedule, fp32.
-Differences that remain: TRL loads the model with its own defaults (SDPA attention, gradient checkpointing), ours
-packs the batch (grpo_varlen attention); our prompts start with <bos>, TRL's do not (one token per prompt).
+Differences that remain: TRL loads the model with its own defaults (SDPA attention, gradient checkpointing) and runs
+its padded batch; FusedGRPOTrainer runs with packed=True (its loss forward packs TRL's batch, grpo_varlen attention;
+with --model also shared_prefix=True, as `grpo-kernels train` is configured), TRL's gradient checkpointing on; our
+prompts start with <bos>, TRL's do not (one token per prompt).
 Each provider runs in a fresh subprocess (TRL ones: this script with --worker; ours: `python -m grpo_kernels.cli
 train --config <generated TOML>`); peak_rss_mb is that process's ru_maxrss (os.wait4), the whole run's peak.
 Reported per provider: step_s, the median wall time of a training step (generation + rewards + loss + optimizer),
@@ -125,10 +127,12 @@ def trl_worker(provider: str, directory: Path, spec: dict) -> dict:
                           lr_scheduler_type="constant", temperature=spec["temperature"], beta=0.0, loss_type="dapo",
                           logging_steps=1, report_to="none", save_strategy="no", bf16=False, use_cpu=True, seed=0,
                           disable_tqdm=True)  # fmt: skip
-    cls = FusedGRPOTrainer if provider == "fused_trl" else trl.GRPOTrainer
+    cls, packing = trl.GRPOTrainer, {}
+    if provider == "fused_trl":  # the padding-free loss forward, prompts shared as `grpo-kernels train` shares them
+        cls, packing = FusedGRPOTrainer, dict(packed=True, shared_prefix="model" in spec)
     model = model_path(directory, spec)
     trainer = cls(model=str(model), reward_funcs=reward, args=args, train_dataset=dataset,
-                  processing_class=transformers.AutoTokenizer.from_pretrained(model))  # fmt: skip
+                  processing_class=transformers.AutoTokenizer.from_pretrained(model), **packing)  # fmt: skip
     step_times, loss_times, starts = [], [], []
 
     class StepTimer(transformers.TrainerCallback):

@@ -14,6 +14,18 @@ head bias) and otherwise calls the previous forward. Under FSDP2 the head is gat
 `DTensor.full_tensor()`. DeepSpeed ZeRO-3 is refused: the fused loss computes its weight gradient in the
 forward, when ZeRO-3 has the parameter gathered, and returns it in the backward, when it is partitioned again.
 
+Padding-free loss forward (`packed=True`, see `trl_packing`). TRL pads prompts left and completions right to the
+longest in the micro-batch, so with uneven completion lengths most of its batch can be padding. With packed=True
+the loss forward strips that padding and packs every sample (its real prompt, then its completion up to its last
+real token, tokens the loss mask excludes included) into one row that the decoder body runs with varlen attention
+("grpo_varlen"; `shared_prefix=True` also stores each repeated prompt once); the fused loss takes the completion
+tokens flat with cu_seqlens. The model's attention is routed per call, so TRL's padded forwards (generation, old /
+reference log-probs) keep the model's sdpa / eager attention and gradient checkpointing recomputes the packed
+layers packed. Everything else (masks, normalizers, metrics) is unchanged; the packed row restarts positions at 0
+for each sample, as generation does, where TRL's padded forward shifts them by the left padding (the same numbers
+for rotary embeddings up to rounding). Off by default: under bf16 autocast the packed body rounds differently
+from TRL's padded one.
+
 Every GRPOConfig option TRL's loss reads is honoured: loss_type, epsilon / epsilon_high, delta, beta (with TRL's
 reference log-probs), use_bias_correction_kl, importance_sampling_level, sapo temperatures, temperature,
 old log-probs (num_iterations > 1, steps_per_generation > gradient_accumulation_steps, vLLM), the vLLM
@@ -59,6 +71,7 @@ from trl.trainer.utils import nanmax, nanmin
 from ..fused_linear import fused_linear_grpo_loss, fused_linear_logprobs, vespo_sampler_logps
 from ..options import LossOptions
 from .hf import backbone, check_plain_head, head_inputs, lm_head, logit_multiplier, logit_softcap
+from .trl_packing import PaddedLayout, pack_trl_batch, use_packed_attention
 
 __all__ = ["FusedGRPOTrainer", "check_config", "use_grpo_kernels"]
 
@@ -66,6 +79,7 @@ CLIP_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 FUSED_LOSSES = (*CLIP_LOSSES, "cispo", "sapo", "vespo")
 TOKEN_SUM_LOSSES = ("dapo", "cispo", "vespo")  # TRL divides their masked sum by num_items_in_batch (see _normalizer)
 _HEAD_KWARG = "grpo_kernels_head"
+_ROUTER_MASK_KWARG = "grpo_kernels_router_mask"  # the tokens the load-balancing loss averages over (packed rows)
 
 
 def _names_lm_head(pattern) -> bool:
@@ -99,8 +113,9 @@ def check_config(args=None, peft_config=None) -> None:
         )
 
 
-def _enable(trainer) -> None:
-    """The checks that need the built trainer, then the forward wrapper on the (unwrapped) policy model."""
+def _enable(trainer, packed: bool = False, shared_prefix: bool = False) -> None:
+    """The checks that need the built trainer, the forward wrapper on the (unwrapped) policy model, and the packed
+    loss forward's attention routing (see _packing)."""
     check_config(trainer.args)
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
@@ -117,12 +132,17 @@ def _enable(trainer) -> None:
     trainer._grpo_kernels_softcap = logit_softcap(model.config)  # Gemma 2: c tanh(z / c), computed by the fused head
     if trainer.aux_loss_enabled:
         _router_aux_loss_function(model, trainer.router_aux_loss_coef)  # raises when the model computes it otherwise
+    trainer._grpo_kernels_packed = _packing(trainer, model, packed, shared_prefix)
+    trainer._grpo_kernels_shared_prefix = shared_prefix
+    tokenizer = getattr(trainer, "_tokenizer", trainer.processing_class)
+    trainer._grpo_kernels_pad_token_id = getattr(tokenizer, "pad_token_id", None)
     if not getattr(model.forward, "_grpo_kernels", False):
         previous = model.forward
 
         @functools.wraps(type(model).forward)  # keep the signature generate() validates its kwargs against
         def forward(self, *args, **kwargs):
             head = kwargs.pop(_HEAD_KWARG, None)
+            router_mask = kwargs.pop(_ROUTER_MASK_KWARG, None)
             if head is None:
                 return previous(*args, **kwargs)
             kwargs["use_cache"] = False
@@ -131,11 +151,36 @@ def _enable(trainer) -> None:
             if not kwargs.get("output_router_logits"):
                 return result
             aux = _router_aux_loss_function(self)(out.router_logits, self.num_experts, self.num_experts_per_tok,
-                                                  kwargs.get("attention_mask"))  # fmt: skip
+                                                  kwargs.get("attention_mask") if router_mask is None
+                                                  else router_mask)  # fmt: skip
             return result, aux
 
         forward._grpo_kernels = True
         model.forward = types.MethodType(forward, model)
+
+
+def _check_packing_options(packed, shared_prefix) -> None:
+    if not isinstance(packed, bool) or not isinstance(shared_prefix, bool):
+        raise TypeError(f"packed and shared_prefix must be bools, got {packed!r}, {shared_prefix!r}")
+    if shared_prefix and not packed:
+        raise ValueError("shared_prefix=True shares prompts inside the packed loss forward: it needs packed=True")
+
+
+def _packing(trainer, model, packed, shared_prefix) -> bool:
+    """Whether the loss forward runs packed (grpo_kernels.integrations.trl_packing): NotImplementedError naming the
+    option where packed=True / shared_prefix=True cannot be honoured."""
+    _check_packing_options(packed, shared_prefix)
+    if shared_prefix and trainer.aux_loss_enabled:
+        raise NotImplementedError(
+            f"shared_prefix=True with router_aux_loss_coef={trainer.router_aux_loss_coef}: the load-balancing loss "
+            "would count each shared prompt once instead of once per sample (use shared_prefix=False)"
+        )
+    if packed:
+        try:
+            use_packed_attention(model, shared_prefix=shared_prefix)
+        except NotImplementedError as error:
+            raise NotImplementedError(f"packed=True: {error} (use packed=False)") from None
+    return packed
 
 
 def _router_aux_loss_function(model, coef=None):
@@ -184,7 +229,7 @@ def _loss_options(trainer, inputs, old, mask) -> dict:
     )  # fmt: skip
 
 
-def _policy_term_weights(trainer, inputs, options, old, advantages, mask, h, w, b, ids):
+def _policy_term_weights(trainer, inputs, options, old, advantages, mask, h, w, b, layout):
     """TRL's masks on the policy term, top_entropy_quantile (tokens below the batch's entropy quantile) and
     off_policy_mask_threshold (negative-advantage sequences that drifted too far from the sampler): both multiply
     the per-token policy loss (before the KL term, the normalizers unchanged), as TRL's vLLM ratio does, so they go
@@ -194,10 +239,11 @@ def _policy_term_weights(trainer, inputs, options, old, advantages, mask, h, w, 
     the entropy bonus's token mask: mask x the entropy mask, and the mean entropy over it; both None without
     top_entropy_quantile)."""
     with torch.no_grad():
-        logps, entropies = fused_linear_logprobs(h.detach(), w.detach(), ids,
+        logps, entropies = fused_linear_logprobs(h.detach(), w.detach(), layout.ids,
                                                  temperature=trainer._grpo_kernels_temperature,
                                                  softcap=trainer._grpo_kernels_softcap,
                                                  bias=None if b is None else b.detach(), return_entropy=True)
+        logps, entropies = layout.padded(logps), layout.padded(entropies)  # TRL's [B, C] for its mask functions
     old = logps if old is None else old
     options = dict(options)
     log_w = torch.zeros_like(old) if options.get("sampler_logps") is None else old - options["sampler_logps"]
@@ -230,9 +276,12 @@ def _normalizer(trainer, inputs, mode):
 
 def _fused_compute_loss(self, model, inputs):
     """TRL's `_compute_loss` with the LM head fused into the loss (grpo_kernels.integrations.trl)."""
-    prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
-    completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
-    keep = completion_ids.size(1)
+    completion_mask = inputs["completion_mask"]
+    layout = PaddedLayout(inputs)
+    if self._grpo_kernels_packed:  # per-token tensors stay TRL's [B, C]; layout.flat at the fused calls
+        layout = pack_trl_batch(inputs, pad_token_id=self._grpo_kernels_pad_token_id,
+                                shared_prefix=self._grpo_kernels_shared_prefix)  # fmt: skip
+    flat = layout.flat
     mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
     mode = "train" if self.model.training else "eval"
     old, advantages = inputs.get("old_per_token_logps"), inputs["advantages"]
@@ -246,7 +295,7 @@ def _fused_compute_loss(self, model, inputs):
     coef = float(_entropy_coef(self) * normalizer / accumulation) if bonus else 0.0
 
     def head(hidden, weight, bias):
-        h, w, b = head_inputs(hidden[:, -keep - 1 : -1], weight, bias, fp32=self.args.cast_lm_head_to_fp32)
+        h, w, b = head_inputs(layout.hidden(hidden), weight, bias, fp32=self.args.cast_lm_head_to_fp32)
         if not torch.is_grad_enabled():  # eval: no gradient buffers
             h, w, b = (None if x is None else x.detach() for x in (h, w, b))
         fused = dict(temperature=self._grpo_kernels_temperature, softcap=self._grpo_kernels_softcap)
@@ -254,24 +303,27 @@ def _fused_compute_loss(self, model, inputs):
             old_logps, opts, entropy_mask, bonus_entropy = old, options, None, None
             if self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None:
                 old_logps, opts, entropy_mask, bonus_entropy = _policy_term_weights(
-                    self, inputs, options, old, advantages, mask, h, w, b, completion_ids)  # fmt: skip
+                    self, inputs, options, old, advantages, mask, h, w, b, layout)  # fmt: skip
             loss, metrics = fused_linear_grpo_loss(
-                h, w, completion_ids, advantages, bias=b, old_logps=old_logps, return_entropy=True,
-                entropy_coef=coef, entropy_mask=entropy_mask, **fused, **opts,
+                h, w, layout.ids, flat(advantages), bias=b, old_logps=flat(old_logps), return_entropy=True,
+                entropy_coef=coef, entropy_mask=flat(entropy_mask), **fused, **{k: flat(v) for k, v in opts.items()},
+                **layout.loss_kwargs,
             )  # fmt: skip
             if bonus:  # the bonus's mean entropy and token count (TRL's effective mask)
                 metrics["bonus_entropy"] = metrics["entropy"] if entropy_mask is None else bonus_entropy
                 metrics["bonus_tokens"] = (mask if entropy_mask is None else entropy_mask).sum().float()
             logps = None
             if extremes:
-                logps = fused_linear_logprobs(h.detach(), w.detach(), completion_ids,
+                logps = fused_linear_logprobs(h.detach(), w.detach(), layout.ids,
                                               bias=None if b is None else b.detach(), **fused)  # fmt: skip
+                logps = layout.padded(logps)
         return loss, metrics, logps
 
-    call = {_HEAD_KWARG: head, **({"output_router_logits": True} if self.aux_loss_enabled else {})}
-    with self.accelerator.autocast():
-        out = model(input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
-                    attention_mask=torch.cat([prompt_mask, completion_mask], dim=1), **call)  # fmt: skip
+    call = {_HEAD_KWARG: head}
+    if self.aux_loss_enabled:
+        call.update({"output_router_logits": True, _ROUTER_MASK_KWARG: layout.router_mask()})
+    with self.accelerator.autocast(), layout.forward():
+        out = model(**layout.model_kwargs(), **call)
     (loss, metrics, logps), aux = out if self.aux_loss_enabled else (out, None)
     _log_metrics(self, mode, metrics, mask, advantages, logps, old)
     if bonus:
@@ -369,25 +421,32 @@ def _seq_mean(flags, mask):
 class FusedGRPOTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` whose training loss runs `grpo_kernels.fused_linear_grpo_loss` on the hidden states and
     the LM head (no [T, V] logits). Same constructor, config and logged metric names; options the fused loss
-    cannot run raise NotImplementedError here (see the module docstring)."""
+    cannot run raise NotImplementedError here (see the module docstring).
 
-    def __init__(self, *args, **kwargs):
+    Two keyword arguments of its own: `packed=True` runs the loss forward padding-free (one packed row, the model's
+    attention routed to grpo_varlen for it; NotImplementedError where that cannot be honoured), `shared_prefix=True`
+    (with packed=True) lets samples with identical prompt ids share one copy of the prompt in that row.
+    """
+
+    def __init__(self, *args, packed: bool = False, shared_prefix: bool = False, **kwargs):
         bound = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments
         check_config(bound.get("args"), bound.get("peft_config"))  # fail before TRL loads anything
+        _check_packing_options(packed, shared_prefix)
         super().__init__(*args, **kwargs)
-        _enable(self)
+        _enable(self, packed, shared_prefix)
 
     _compute_loss = _fused_compute_loss
 
 
-def use_grpo_kernels(trainer: GRPOTrainer) -> GRPOTrainer:
+def use_grpo_kernels(trainer: GRPOTrainer, *, packed: bool = False, shared_prefix: bool = False) -> GRPOTrainer:
     """Switch an existing GRPOTrainer (or a subclass instance) to the fused loss, in place; returns it.
 
     Checks the options as FusedGRPOTrainer does, installs the forward wrapper on its model and binds the fused
     `_compute_loss` on this instance only (no class is patched). A subclass's own `_compute_loss` is replaced.
+    `packed` and `shared_prefix` as FusedGRPOTrainer's.
     """
     if not isinstance(trainer, GRPOTrainer):
         raise TypeError(f"use_grpo_kernels takes a trl.GRPOTrainer, got {type(trainer).__name__}")
-    _enable(trainer)
+    _enable(trainer, packed, shared_prefix)
     trainer._compute_loss = types.MethodType(_fused_compute_loss, trainer)
     return trainer

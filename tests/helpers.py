@@ -71,3 +71,28 @@ def assert_lowp_no_worse(actual, torch_lowp, oracle, *, name: str, factor: float
 def device_for(impl: str, triton_device: str) -> str:
     """Where a backend's tests put their tensors: the Triton device for "triton", the CPU for the C++ ones."""
     return triton_device if impl == "triton" else "cpu"
+
+
+def run_vllm_check(script, directory, marker: str, *, timeout: int) -> dict:
+    """Run a vLLM check script (`python script directory`) in its own process and return the JSON of its last
+    `marker` line; fails the test when it crashes, skips it when vllm cannot be imported (fails instead under
+    GRPO_REQUIRE_VLLM=1, as `make test` sets)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    proc = subprocess.run([sys.executable, str(script), str(directory)], capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+    lines = [line[len(marker) :] for line in proc.stdout.splitlines() if line.startswith(marker)]
+    if proc.returncode != 0 or not lines:
+        pytest.fail(f"{script.name} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    results = json.loads(lines[-1])
+    if "vllm_import_error" in results:
+        message = f"vllm is not importable: {results['vllm_import_error']}"
+        if os.environ.get("GRPO_REQUIRE_VLLM") == "1":
+            pytest.fail(f"{message} (GRPO_REQUIRE_VLLM=1)")
+        pytest.skip(message)
+    return results

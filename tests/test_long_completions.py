@@ -8,14 +8,13 @@ fails when GRPO_REQUIRE_VLLM=1.
 
 import copy
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from helpers import run_vllm_check
 
 from grpo_kernels import reference
 from grpo_kernels.cli import main
@@ -238,18 +237,7 @@ def test_a_short_run_with_long_completions_logs_the_length_metrics(tmp_path):
 @pytest.fixture(scope="module")
 def vllm_check(tmp_path_factory):
     script = Path(__file__).with_name("long_completions_vllm_check.py")
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path_factory.mktemp("vllm"))], capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
-    lines = [line[len(MARKER) :] for line in proc.stdout.splitlines() if line.startswith(MARKER)]
-    if proc.returncode != 0 or not lines:
-        pytest.fail(f"{script.name} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    results = json.loads(lines[-1])
-    if "vllm_import_error" in results:
-        message = f"vllm is not importable: {results['vllm_import_error']}"
-        if os.environ.get("GRPO_REQUIRE_VLLM") == "1":
-            pytest.fail(f"{message} (GRPO_REQUIRE_VLLM=1)")
-        pytest.skip(message)
-    return results
+    return run_vllm_check(script, tmp_path_factory.mktemp("vllm"), MARKER, timeout=600)
 
 
 @pytest.mark.slow

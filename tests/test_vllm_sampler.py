@@ -5,13 +5,12 @@ vLLM runs in a subprocess (tests/vllm_sampler_check.py, once for the module): it
 process-wide state. Without an importable vllm the tests skip, or fail when GRPO_REQUIRE_VLLM=1 (`make test`).
 """
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_vllm_check
 
 SCRIPT = Path(__file__).with_name("vllm_sampler_check.py")
 MARKER = "vllm-sampler-check: "
@@ -20,18 +19,7 @@ TOL = 1e-3
 
 @pytest.fixture(scope="module")
 def check(tmp_path_factory):
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path_factory.mktemp("vllm"))], capture_output=True,
-                          text=True, timeout=900)  # fmt: skip
-    lines = [line[len(MARKER) :] for line in proc.stdout.splitlines() if line.startswith(MARKER)]
-    if proc.returncode != 0 or not lines:
-        pytest.fail(f"{SCRIPT.name} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    results = json.loads(lines[-1])
-    if "vllm_import_error" in results:
-        message = f"vllm is not importable: {results['vllm_import_error']}"
-        if os.environ.get("GRPO_REQUIRE_VLLM") == "1":
-            pytest.fail(f"{message} (GRPO_REQUIRE_VLLM=1)")
-        pytest.skip(message)
-    return results
+    return run_vllm_check(SCRIPT, tmp_path_factory.mktemp("vllm"), MARKER, timeout=900)
 
 
 @pytest.mark.slow

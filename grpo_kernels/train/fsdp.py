@@ -76,6 +76,8 @@ def init_distributed(backend: str = "auto", *, sequence_parallel: int = 1) -> Di
 
     backend "auto" is nccl when CUDA is available, else gloo. sequence_parallel N: the process groups of N
     consecutive ranks (N must divide the world). Idempotent."""
+    if isinstance(sequence_parallel, bool) or not isinstance(sequence_parallel, int) or sequence_parallel < 1:
+        raise ValueError(f"sequence_parallel must be an int >= 1, got {sequence_parallel!r}")
     cuda = torch.cuda.is_available()
     if "WORLD_SIZE" not in os.environ:
         if sequence_parallel != 1:

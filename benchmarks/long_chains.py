@@ -28,13 +28,23 @@ Loss "dapo", beta 0, on-policy, fp32, 2 CPU threads per process (1 per rank for 
 
 Per row: sp (ranks), peak_rss_mb (VmHWM of the process, the largest rank's for gk_sp), base_rss_mb (RSS before the
 step: model, optimizer state and inputs), step_s, tokens_per_s (real tokens / step_s), padding_fraction (pad tokens
-/ tokens the model computed), load_before (the 1-minute load average when it started: CPU step times are only
-comparable on an idle machine), status ("ok", "over_cap": the process passed --cap-gb and was stopped, "failed:
-..."). A process watches its own RSS every 20 ms and exits when it passes the cap, so a provider that cannot fit is
-recorded, not fatal. Rows are appended to benchmarks/results/long_chains/long_chains_<model>.csv as they finish; a
-rerun skips the rows that are there (resumable). At the end (and with --plot-only) it writes the plot (peak memory
-vs tokens per step, one line per provider) and memory_model.md: bytes per token per provider fitted on the measured
-rows, extrapolated to Qwen2.5-7B in bf16 on 80 GB H100s. That extrapolation is a model, not a measurement.
+/ tokens the model computed), mmap_threshold (the allocator setting, below), load_before (the 1-minute load average
+when it started: CPU step times are only comparable on an idle machine), status ("ok", "over_cap": the process
+passed --cap-gb and was stopped, "failed: ..."). A process watches its own RSS every 20 ms and exits when it passes
+the cap, so a provider that cannot fit is recorded, not fatal. Rows are appended to
+benchmarks/results/long_chains/long_chains_<model>.csv as they finish; a rerun skips the rows that are there
+(resumable). At the end (and with --plot-only) it writes the plot (peak memory vs tokens per step, one line per
+provider) and memory_model.md: bytes per token per provider fitted on the measured rows, extrapolated to Qwen2.5-7B
+in bf16 on 80 GB H100s. That extrapolation is a model, not a measurement.
+
+Allocator. With glibc's default settings the peak RSS of a step measures the allocator as much as the step: the mmap
+threshold rises to 32 MiB after the first large free, so activation-sized blocks come from the heap, and a heap
+fragmented by blocks that stay alive (checkpointed inputs between freed temporaries) is not returned. Measured on
+SmolLM2, gk_blocks, 8 x 500 tokens: peak 5.1 GB with the default, 2.8 GB with MALLOC_MMAP_THRESHOLD_=1 MiB, where
+the forward grows by exactly the checkpointed block inputs (4 bytes x hidden per token per block). Every worker
+therefore runs with --mmap-threshold (default 1 MiB; 0 = glibc's default): peak RSS then follows the live tensors,
+as a GPU's peak allocated memory does; mapping and unmapping large blocks costs step time (about 1.3x on that
+step), the same setting for every provider.
 """
 
 import argparse
@@ -55,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # importable from 
 OUT = Path(__file__).resolve().parent / "results" / "long_chains"
 COLUMNS = ["timestamp", "device", "torch", "git_sha", "model", "sweep", "provider", "group_size", "prompts",
            "min_len", "max_len", "real_tokens", "computed_tokens", "padding_fraction", "step_s", "tokens_per_s",
-           "sp", "base_rss_mb", "peak_rss_mb", "cap_mb", "load_before", "status"]  # fmt: skip
+           "sp", "base_rss_mb", "peak_rss_mb", "cap_mb", "mmap_threshold", "load_before", "status"]  # fmt: skip
 PROVIDERS = ("trl_ckpt", "trl_nockpt", "fused_trl", "gk_none", "gk_blocks", "gk_sp")
 PROMPT = ("Solve the problem and show every step of your working, one intermediate result per line, then give the "
           "final answer as 'Answer: <number>'. A train travels 284 km at 71 km/h, stops for 25 minutes, then travels "
@@ -251,7 +261,10 @@ def worker(spec: dict) -> None:
     result = (_trl_step if spec["provider"].startswith(("trl", "fused")) else _gk_step)(spec, model_dir)
     result["peak_rss_mb"] = _rss_mb("VmHWM")
     result["ru_maxrss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print("RESULT " + json.dumps(result), flush=True)
+    sys.stdout.flush()
+    # one write(2) of a line under PIPE_BUF: the ranks of gk_sp share the pipe, and print's separate writes of the
+    # text and its newline can interleave with another rank's
+    os.write(1, ("RESULT " + json.dumps(result) + "\n").encode())
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -266,8 +279,11 @@ def sp_size(model_dir: str) -> int:
     return next(n for n in range(2, heads + 1) if heads % n == 0)
 
 
-def measure(provider: str, point: dict, *, model_dir: str, cap_mb: float, scratch: str, timeout: float) -> dict:
-    """Run one (provider, point) in a fresh process (N for gk_sp); the row's measured fields and status."""
+def measure(provider: str, point: dict, *, model_dir: str, cap_mb: float, scratch: str, timeout: float,
+            mmap_threshold: int = 0) -> dict:  # fmt: skip
+    """Run one (provider, point) in a fresh process (N for gk_sp); the row's measured fields and status.
+    mmap_threshold > 0: glibc's MALLOC_MMAP_THRESHOLD_ for the worker (blocks from that size on are mapped and
+    returned to the system when freed); 0: glibc's default (a threshold that rises to 32 MiB as blocks are freed)."""
     sp = sp_size(model_dir) if provider == "gk_sp" else 1
     prompt, special = prompt_ids(model_dir)
     spec = dict(provider=provider, point=point, model_dir=model_dir, cap_mb=cap_mb, scratch=scratch, sp=sp,
@@ -275,6 +291,9 @@ def measure(provider: str, point: dict, *, model_dir: str, cap_mb: float, scratc
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = str(spec["threads"])
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if mmap_threshold > 0:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     script = [str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
     if sp > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={sp}", "--standalone", *script]
@@ -336,7 +355,8 @@ def run(args) -> Path:
         for provider in providers:
             ranks = sp if provider == "gk_sp" else 1
             cap_mb = min(args.cap_gb, args.machine_gb / ranks) * 1024  # the ranks of gk_sp share the machine
-            row = {**meta, "model": model_name, "provider": provider, **point, "sp": ranks, "cap_mb": round(cap_mb)}
+            row = {**meta, "model": model_name, "provider": provider, **point, "sp": ranks, "cap_mb": round(cap_mb),
+                   "mmap_threshold": args.mmap_threshold}  # fmt: skip
             if _key(row) in done:
                 continue
             if (provider, point["sweep"]) in over and point["sweep"] != "spread":
@@ -345,7 +365,7 @@ def run(args) -> Path:
                 print(f"{provider:11s} {point}", flush=True)
                 row["load_before"] = round(os.getloadavg()[0], 2)  # other work on the cores skews step_s
                 row.update(measure(provider, point, model_dir=model_dir, cap_mb=cap_mb, scratch=scratch,
-                                   timeout=args.timeout))  # fmt: skip
+                                   timeout=args.timeout, mmap_threshold=args.mmap_threshold))  # fmt: skip
                 print(f"            -> {row['status']}" + (f", {row['peak_rss_mb']:.0f} MB peak, {row['step_s']:.1f} s"
                                                             if row["status"] == "ok" else ""), flush=True)  # fmt: skip
             if row["status"] == "over_cap":
@@ -435,7 +455,8 @@ def memory_model(rows: list[dict], config: dict) -> str:
     lines += ["", "gk_sp's slope is a rank's peak over the whole row's tokens (each rank computes 1/N): it checks "
               "the "
               "SP columns of gk_blocks (about 1/N of gk_blocks' slope expected). Attention's own working memory (SDPA "
-              "per sequence) and the allocator's fragmentation are in the measured slopes; GPU attention kernels need "
+              "per sequence) is in the measured slopes (the allocator's retained heap is not, with the mmap threshold "
+              "the rows record); GPU attention kernels need "
               "less than the CPU path measured here. The static term on CPU includes the Python process, torch and "
               "the model's fp32 weights, gradients and Adam moments.", ""]
     return "\n".join(lines)
@@ -502,6 +523,9 @@ def main() -> None:
     parser.add_argument("--providers", default=",".join(PROVIDERS),
                         help="comma-separated subset of " + ", ".join(PROVIDERS))  # fmt: skip
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds one measurement may take")
+    parser.add_argument("--mmap-threshold", type=int, default=2**20,
+                        help="glibc MALLOC_MMAP_THRESHOLD_ (bytes) for every worker, so that peak RSS follows the "
+                             "live tensors; 0 = glibc's default, whose retained heap is part of the peak")  # fmt: skip
     parser.add_argument("--csv", type=Path, help="rows go here instead of benchmarks/results/long_chains/")
     parser.add_argument("--plot-only", action="store_true", help="rebuild the report from the CSV")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one measurement (JSON spec)

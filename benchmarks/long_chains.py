@@ -17,6 +17,8 @@ Providers (one micro-batch holds the whole step in all of them, so memory grows 
                             left-padded, completions right-padded to the longest), gradient checkpointing on (TRL's
                             default) / off; SDPA attention;
     fused_trl               FusedGRPOTrainer (the drop-in), same inputs, TRL's gradient checkpointing on;
+    fused_trl_packed        the same with packed=True, shared_prefix=True: the drop-in's padding-free loss forward
+                            from TRL's padded inputs (each prompt stored once);
     gk_none / gk_blocks     grpo_kernels' grpo_step (packed, shared prompt, fused LM-head loss) without / with
                             model.activation_checkpointing = "blocks";
     gk_sp                   gk_blocks on N ranks (torchrun, gloo) with distributed.sequence_parallel = N, the
@@ -66,7 +68,7 @@ OUT = Path(__file__).resolve().parent / "results" / "long_chains"
 COLUMNS = ["timestamp", "device", "torch", "git_sha", "model", "sweep", "provider", "group_size", "prompts",
            "min_len", "max_len", "real_tokens", "computed_tokens", "padding_fraction", "step_s", "tokens_per_s",
            "sp", "base_rss_mb", "peak_rss_mb", "cap_mb", "mmap_threshold", "load_before", "status"]  # fmt: skip
-PROVIDERS = ("trl_ckpt", "trl_nockpt", "fused_trl", "gk_none", "gk_blocks", "gk_sp")
+PROVIDERS = ("trl_ckpt", "trl_nockpt", "fused_trl", "fused_trl_packed", "gk_none", "gk_blocks", "gk_sp")
 PROMPT = ("Solve the problem and show every step of your working, one intermediate result per line, then give the "
           "final answer as 'Answer: <number>'. A train travels 284 km at 71 km/h, stops for 25 minutes, then travels "
           "156 km at 78 km/h. What was its average speed over the whole journey, the stop included?")  # fmt: skip
@@ -168,9 +170,13 @@ def _trl_step(spec: dict, model_dir: str) -> dict:
                           num_generations=point["group_size"], max_completion_length=point["max_len"], beta=0.0,
                           loss_type="dapo", report_to="none", use_cpu=True, save_strategy="no", bf16=False,
                           gradient_checkpointing=provider != "trl_nockpt")  # fmt: skip
-    cls = FusedGRPOTrainer if provider == "fused_trl" else trl.GRPOTrainer
+    cls, packing = trl.GRPOTrainer, {}
+    if provider.startswith("fused_trl"):
+        cls = FusedGRPOTrainer
+        packing = dict(packed=True, shared_prefix=True) if provider == "fused_trl_packed" else {}
     trainer = cls(model=model_dir, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
-                  train_dataset=Dataset.from_dict({"prompt": ["x"]}), processing_class=tokenizer)  # fmt: skip
+                  train_dataset=Dataset.from_dict({"prompt": ["x"]}), processing_class=tokenizer,
+                  **packing)  # fmt: skip
     model = trainer.model
     model.train()
     trainer.current_gradient_accumulation_steps = 1
@@ -202,8 +208,10 @@ def _trl_step(spec: dict, model_dir: str) -> dict:
     loss = step(inputs)
     elapsed = time.perf_counter() - start
     real = b * prompt.numel() + sum(c.numel() for c in completions)
-    computed = b * (prompt.numel() + longest)
-    return dict(step_s=elapsed, real_tokens=real, computed_tokens=computed, pad_tokens=computed - real,
+    computed = b * (prompt.numel() + longest)  # the padded batch
+    if packing:  # one packed row: each prompt once, the completions without pads
+        computed = point["prompts"] * prompt.numel() + sum(c.numel() for c in completions)
+    return dict(step_s=elapsed, real_tokens=real, computed_tokens=computed, pad_tokens=max(computed - real, 0),
                 base_rss_mb=base, loss=float(loss))  # fmt: skip
 
 

@@ -178,6 +178,12 @@ def _trl_step(spec: dict, model_dir: str) -> dict:
                   train_dataset=Dataset.from_dict({"prompt": ["x"]}), processing_class=tokenizer,
                   **packing)  # fmt: skip
     model = trainer.model
+    if args.gradient_checkpointing:  # what Trainer.train() does first; compute_loss alone would run without it
+        kwargs = dict(args.gradient_checkpointing_kwargs or {})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
+    if model.is_gradient_checkpointing != args.gradient_checkpointing:
+        raise RuntimeError(f"{provider}: gradient checkpointing is {model.is_gradient_checkpointing}, "
+                           f"asked {args.gradient_checkpointing}")  # fmt: skip
     model.train()
     trainer.current_gradient_accumulation_steps = 1
     prompt, completions, rewards = _inputs(spec, model.config.vocab_size)

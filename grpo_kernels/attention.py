@@ -144,13 +144,27 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, causal=True, scale=None
         if q.shape[1] != k.shape[1]:
             extra["enable_gqa"] = True
         return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, **extra)
-    out = torch.empty_like(q)
+    pieces = []
     bounds = cu_seqlens.tolist()
     for s, e in zip(bounds[:-1], bounds[1:], strict=True):
         if e > s:
             pos = torch.arange(e - s, device=q.device)
-            out[s:e] = _attend(q[s:e], k[s:e], v[s:e], pos, pos, math=backend == "math", **opts)
-    return out
+            pieces.append((s, _attend(q[s:e], k[s:e], v[s:e], pos, pos, math=backend == "math", **opts)))
+    return _assemble(pieces, q)
+
+
+def _assemble(pieces, q):
+    """The [T, H, D] output from (start, rows) pieces: one cat in token order, zeros where no piece is (an
+    `out[s:e] = rows` per piece would cost a zero-filled [T, H, D] gradient per piece in the backward)."""
+    parts, at = [], 0
+    for start, rows in sorted(pieces, key=lambda x: x[0]):
+        if start > at:
+            parts.append(q.new_zeros((start - at, *q.shape[1:])))
+        parts.append(rows)
+        at = start + rows.shape[0]
+    if at < q.shape[0]:
+        parts.append(q.new_zeros((q.shape[0] - at, *q.shape[1:])))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def _window_size(window, causal):
@@ -203,18 +217,33 @@ def _math(q, k, v, scale, *, causal, mask, sinks, softcap):
 
 
 def _shared_prefix_attention(q, k, v, prefix_groups, *, causal, math, **opts):
-    out = torch.empty_like(q)
+    """Per segment: the prompt causally, each completion over [prompt; itself]. Plain causal attention (no window,
+    sinks or soft-cap, not "math") runs every completion as one causal call over [prompt; completion] with the
+    prompt's queries in front: no mask is built, the prompt's rows of the first call are the prompt's own output
+    (a prompt query sees only the prompt), and the other calls' prompt rows (about P^2 / 2 extra scores against
+    the completion's L (P + L / 2)) are dropped."""
+    plain = not math and all(opts[name] is None for name in ("window", "sinks", "softcap"))
+    pieces = []
     for p0, p1, completions in prefix_groups:
         prompt_pos = torch.arange(p1 - p0, device=q.device)
-        out[p0:p1] = _attend(q[p0:p1], k[p0:p1], v[p0:p1], prompt_pos, prompt_pos, causal=True, math=math, **opts)
+        prompt_out = None
         for s, e in completions:
             if e == s:
                 continue
-            own_pos = torch.arange(p1 - p0, p1 - p0 + e - s, device=q.device)
             kk, vv = torch.cat([k[p0:p1], k[s:e]]), torch.cat([v[p0:p1], v[s:e]])
-            out[s:e] = _attend(q[s:e], kk, vv, own_pos, torch.cat([prompt_pos, own_pos]), causal=True, math=math,
-                               **opts)  # fmt: skip
-    return out
+            if plain:
+                both = _sdpa(torch.cat([q[p0:p1], q[s:e]]), kk, vv, opts["scale"], causal=True)
+                prompt_out = both[: p1 - p0] if prompt_out is None else prompt_out
+                pieces.append((s, both[p1 - p0 :]))
+                continue
+            own_pos = torch.arange(p1 - p0, p1 - p0 + e - s, device=q.device)
+            pieces.append((s, _attend(q[s:e], kk, vv, own_pos, torch.cat([prompt_pos, own_pos]), causal=True,
+                                      math=math, **opts)))  # fmt: skip
+        if prompt_out is None and p1 > p0:
+            prompt_out = _attend(q[p0:p1], k[p0:p1], v[p0:p1], prompt_pos, prompt_pos, causal=True, math=math, **opts)
+        if prompt_out is not None:
+            pieces.append((p0, prompt_out))
+    return _assemble(pieces, q)
 
 
 def _cu_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:

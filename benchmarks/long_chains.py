@@ -365,7 +365,7 @@ def run(args) -> Path:
     sp = sp_size(model_dir)
     providers = [p for p in PROVIDERS if p in args.providers.split(",")]
     over: set = set()  # (provider, sweep) past the cap: its larger points are not tried
-    for point in sweeps(quick):
+    for point in (p for p in sweeps(quick) if p["sweep"] in args.sweeps.split(",")):
         for provider in providers:
             ranks = sp if provider == "gk_sp" else 1
             cap_mb = min(args.cap_gb, args.machine_gb / ranks) * 1024  # the ranks of gk_sp share the machine
@@ -536,6 +536,8 @@ def main() -> None:
                         help="memory the N ranks of gk_sp may take together: each is capped at min(cap, this / N)")
     parser.add_argument("--providers", default=",".join(PROVIDERS),
                         help="comma-separated subset of " + ", ".join(PROVIDERS))  # fmt: skip
+    parser.add_argument("--sweeps", default="length,spread,step",
+                        help="comma-separated subset of length, spread, step (in their usual order)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds one measurement may take")
     parser.add_argument("--mmap-threshold", type=int, default=2**20,
                         help="glibc MALLOC_MMAP_THRESHOLD_ (bytes) for every worker, so that peak RSS follows the "
@@ -544,6 +546,10 @@ def main() -> None:
     parser.add_argument("--plot-only", action="store_true", help="rebuild the report from the CSV")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one measurement (JSON spec)
     args = parser.parse_args()
+    unknown = set(args.providers.split(",")) - set(PROVIDERS) | set(args.sweeps.split(",")) - {"length", "spread",
+                                                                                                  "step"}  # fmt: skip
+    if unknown:
+        parser.error(f"unknown provider or sweep: {', '.join(sorted(unknown))}")
     if args.worker:
         worker(json.loads(args.worker))
         return

@@ -3,6 +3,7 @@
     .venv/bin/grpo-kernels group-size-study [--quick] [--out DIR]
     .venv/bin/python benchmarks/group_size_study.py [--quick] [--out DIR]    # the same
     .venv/bin/grpo-kernels group-size-study --model smollm2-135m             # on a real model: group_size_model.py
+    .venv/bin/grpo-kernels group-size-study --model smollm2-135m --gradients # gradients: group_size_gradients.py
 
 Writes into DIR (default benchmarks/results/group_size_study/): summary.md, runs.csv and the PNGs below; the
 training runs themselves go to a temporary directory that is deleted afterwards.
@@ -52,6 +53,7 @@ for _path in (REPO, REPO / "benchmarks"):  # run as a script from anywhere; grou
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+import group_size_gradients  # noqa: E402
 import group_size_model  # noqa: E402
 
 from grpo_kernels.advantages import group_advantages  # noqa: E402
@@ -300,7 +302,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "group_size_study"))
     parser.add_argument("--theory-only", action="store_true", help="skip the training runs")
     group_size_model.add_arguments(parser)
+    group_size_gradients.add_arguments(parser)
     args = parser.parse_args(argv)
+    if (args.gradients or args.plot_only) and args.model is None:
+        parser.error("--gradients and --plot-only need --model")
+    if args.gradients or args.plot_only:  # gradient agreement vs G at fixed parameters (group_size_gradients.py)
+        return group_size_gradients.run(args, Path(args.out))
     if args.model is not None:  # a real model: pass rates and invalid groups, no training (group_size_model.py)
         return group_size_model.run(args, Path(args.out))
     out = Path(args.out)

@@ -326,8 +326,12 @@ def measure(provider: str, point: dict, *, model_dir: str, cap_mb: float, scratc
         return out
     if f"exitcode  : {EXIT_OVER_CAP}" in proc.stderr or proc.returncode == EXIT_OVER_CAP:
         return {"status": "over_cap"}
-    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"status": f"failed: {tail[:160]}"}
+    if proc.returncode == 0:  # every process ended well, but not every rank's result line arrived
+        return {"status": f"failed: {len(results)} of {sp} result lines"}
+    lines = proc.stderr.strip().splitlines() or ["no output"]
+    # torchrun ends with a banner of '=' lines: name the error line above it, not the banner
+    tail = next((x for x in reversed(lines) if "Error" in x or "error:" in x), lines[-1])
+    return {"status": f"failed: {tail.strip()[:160]}"}
 
 
 def _csv_rows(path: Path) -> list[dict]:

@@ -363,12 +363,14 @@ def run(args) -> Path:
         scratch = str(OUT / "scratch")
         model_dir, model_name = str(resolve_model(args.model) or args.model), Path(args.model).name
     csv_path = args.csv or OUT / f"long_chains_{model_name}.csv"
-    done = {_key(r) for r in _csv_rows(csv_path)}
+    previous = _csv_rows(csv_path)
+    done = {_key(r) for r in previous}
     meta = run_meta("cpu")
     meta.pop("triton")
     sp = sp_size(model_dir)
     providers = [p for p in PROVIDERS if p in args.providers.split(",")]
-    over: set = set()  # (provider, sweep) past the cap: its larger points are not tried
+    # (provider, sweep) past the cap: its larger points are not tried, in a resumed run too
+    over = {(r["provider"], r["sweep"]) for r in previous if r["status"] == "over_cap"}
     for point in (p for p in sweeps(quick) if p["sweep"] in args.sweeps.split(",")):
         for provider in providers:
             ranks = sp if provider == "gk_sp" else 1

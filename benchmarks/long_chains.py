@@ -372,7 +372,8 @@ def run(args) -> Path:
     # (provider, sweep) past the cap: its larger points are not tried, in a resumed run too
     over = {(r["provider"], r["sweep"]) for r in previous if r["status"] == "over_cap"}
     points = [p for p in sweeps(quick) if p["sweep"] in args.sweeps.split(",")]
-    for point in (p for p in points if not args.max_len or p["max_len"] <= args.max_len):
+    points = [p for p in points if not args.max_len or p["max_len"] <= args.max_len]
+    for point in (p for p in points if not args.group_size or p["group_size"] == args.group_size):
         for provider in providers:
             ranks = sp if provider == "gk_sp" else 1
             cap_mb = min(args.cap_gb, args.machine_gb / ranks) * 1024  # the ranks of gk_sp share the machine
@@ -547,6 +548,7 @@ def main() -> None:
                         help="comma-separated subset of length, spread, step (in their usual order)")
     parser.add_argument("--max-len", type=int, default=0,
                         help="run only the points whose completions are at most this long (0: all)")
+    parser.add_argument("--group-size", type=int, default=0, help="run only the points with this G (0: all)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds one measurement may take")
     parser.add_argument("--mmap-threshold", type=int, default=2**20,
                         help="glibc MALLOC_MMAP_THRESHOLD_ (bytes) for every worker, so that peak RSS follows the "
@@ -557,8 +559,8 @@ def main() -> None:
     args = parser.parse_args()
     unknown = set(args.providers.split(",")) - set(PROVIDERS) | set(args.sweeps.split(",")) - {"length", "spread",
                                                                                                   "step"}  # fmt: skip
-    if args.max_len < 0:
-        parser.error(f"--max-len must be >= 0, got {args.max_len}")
+    if args.max_len < 0 or args.group_size < 0:
+        parser.error(f"--max-len and --group-size must be >= 0, got {args.max_len} and {args.group_size}")
     if unknown:
         parser.error(f"unknown provider or sweep: {', '.join(sorted(unknown))}")
     if args.worker:

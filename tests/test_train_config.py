@@ -195,6 +195,13 @@ BAD_OVERRIDES = [
     (["group_size.invalid_rate_threshold=1.5"], "group_size.invalid_rate_threshold"),
     (["group_size.invalid_rate_threshold=0"], "group_size.invalid_rate_threshold must be in (0, 1), got 0.0"),
     (["group_size.invalid_rate_threshold=1"], "group_size.invalid_rate_threshold must be in (0, 1), got 1.0"),
+    (["task.eval_every=-1"], "task.eval_every must be >= 0, got -1"),
+    (["task.eval_every=2", "task.num_eval_prompts=0"], "task.eval_every must be 0 when task.num_eval_prompts is 0"),
+    (["task.target_success=0.5"], "task.target_success must be none when task.eval_every is 0"),
+    (["task.eval_every=2", "task.target_success=0"], "task.target_success must be in (0, 1] or none, got 0.0"),
+    (["task.eval_every=2", "task.target_success=1.5"], "task.target_success must be in (0, 1] or none, got 1.5"),
+    (["task.eval_every=2", "sampling.placement=decoupled", "sampling.sampler=vllm"],
+     'task.eval_every = 2 needs sampling.placement "colocated"'),
     (["checkpoint.every=-1"], "checkpoint.every"),
     (["checkpoint.resume=runs/r", "checkpoint.resume_step=0"], "checkpoint.resume_step must be >= 1, got 0"),
 ]

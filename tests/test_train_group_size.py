@@ -85,3 +85,48 @@ def test_dynamic_sampling_drops_exactly_the_groups_the_advantage_kernel_marks_in
     assert valid.tolist() == [False, True, False, False]  # the kernel's verdict on these four groups
     assert rollout.rewards.tolist() == [group_rewards["signal"]] and sampled == 4 and rounds == 0
     assert [int(p[0]) for p in rollout.prompt_ids] == [names.index("signal")] * 2
+
+
+def _jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+EVAL_ARGS = ["--sampling.group_size=4", "--sampling.prompts_per_step=2", "--sampling.max_new_tokens=3",
+             "--task.name=add", "--task.num_eval_prompts=6", "--task.num_train_prompts=16", "--model.hidden_size=32",
+             "--model.num_layers=1", "--optim.lr=1e-2"]  # fmt: skip
+
+
+def test_held_out_evaluations_every_n_steps_and_at_the_end(tmp_path):
+    run = tmp_path / "run"
+    main(["train", f"--logging.run_dir={run}", "--optim.steps=5", "--task.eval_every=2", *EVAL_ARGS])
+    evals, summary = _jsonl(run / "eval.jsonl"), json.loads((run / "summary.json").read_text())
+    assert [e["step"] for e in evals] == [1, 3, 4]  # every 2 steps, and after the last one
+    assert all(0 <= e["eval_success"] <= 1 and e["eval_s"] > 0 for e in evals)
+    assert [e["eval_s_total"] for e in evals] == pytest.approx([sum(x["eval_s"] for x in evals[: i + 1])
+                                                                for i in range(3)])  # fmt: skip
+    assert summary["eval_success_end"] == evals[-1]["eval_success"] and summary["steps"] == 5
+    assert not summary["reached_target"] and summary["eval_s_total"] == pytest.approx(evals[-1]["eval_s_total"])
+
+
+def test_training_stops_at_the_target_success_and_a_resumed_run_replays_its_evaluations(tmp_path):
+    full, stop = tmp_path / "full", tmp_path / "stop"
+    warm = ["--task.sft_warmup_steps=60", "--task.eval_every=1", "--checkpoint.every=2", *EVAL_ARGS[:-3],
+            "--optim.lr=1e-3"]  # fmt: skip
+    main(["train", f"--logging.run_dir={full}", "--optim.steps=6", *warm])
+    evals = _jsonl(full / "eval.jsonl")
+    assert [e["step"] for e in evals] == list(range(6))
+    hit = max(evals, key=lambda e: e["eval_success"])
+    assert hit["eval_success"] > 0  # the SFT warm start solves some sums
+    main(["train", f"--logging.run_dir={stop}", "--optim.steps=6", f"--task.target_success={hit['eval_success']}",
+          *warm])  # fmt: skip
+    summary, stopped = json.loads((stop / "summary.json").read_text()), _jsonl(stop / "eval.jsonl")
+    first = next(e for e in evals if e["eval_success"] >= hit["eval_success"])
+    assert summary["reached_target"] and summary["steps"] == first["step"] + 1
+    assert summary["eval_success_end"] == first["eval_success"]
+    assert len(_jsonl(stop / "metrics.jsonl")) == first["step"] + 1  # no step after the target
+    assert [e["eval_success"] for e in stopped] == [e["eval_success"] for e in evals[: first["step"] + 1]]
+    # resumed from step 2 the run replays steps 2.. and their evaluations; those before come from the file
+    main(["train", "--resume", str(full), "--checkpoint.resume_step=2"])
+    again = _jsonl(full / "eval.jsonl")
+    assert [(e["step"], e["eval_success"]) for e in again] == [(e["step"], e["eval_success"]) for e in evals]
+    assert again[:2] == evals[:2]  # kept verbatim

@@ -203,6 +203,12 @@ class TaskConfig:
     """Training prompts (a built-in task generates them; "jsonl" takes at most this many)."""
     num_eval_prompts: int = 64
     """Held-out prompts for evaluation (0 = no evaluation)."""
+    eval_every: int = 0
+    """Held-out evaluation every this many steps too (logged to eval.jsonl in the run directory); 0 = only
+    before and after training."""
+    target_success: float | None = None
+    """Stop training once a held-out evaluation reaches this success rate, in (0, 1] (needs eval_every); None =
+    run all optim.steps."""
     seed: int = 0
     """Seed of the prompt generator and of the train/eval split."""
     sft_warmup_steps: int = 0
@@ -216,13 +222,19 @@ class TaskConfig:
 
     def __post_init__(self):
         _validate(
-            self, at_least={"num_train_prompts": 1, "num_eval_prompts": 0, "sft_warmup_steps": 0},
+            self, at_least={"num_train_prompts": 1, "num_eval_prompts": 0, "sft_warmup_steps": 0, "eval_every": 0},
             choices={"name": TASK_NAMES, "reward": ("exact", "numeric", "math_verify"),
                      "chat_template": ("auto", "on", "off")},
         )  # fmt: skip
         if self.system_prompt is not None:
             _check(self, "system_prompt", self.chat_template != "off", 'none when task.chat_template is "off"')
         _check(self, "difficulty", 1 <= self.difficulty <= 10, "in 1..10")
+        if self.eval_every:
+            _check(self, "eval_every", self.num_eval_prompts > 0, "0 when task.num_eval_prompts is 0")
+        if self.target_success is not None:
+            _check(self, "target_success", 0.0 < self.target_success <= 1.0, "in (0, 1] or none")
+            _check(self, "target_success", self.eval_every > 0, "none when task.eval_every is 0 (it is checked at "
+                   "the evaluations)")
         _check(self, "seed", -(2**63) <= self.seed < 2**63, "in [-2**63, 2**63)")
         if self.name == "jsonl":
             _check(self, "path", self.path not in (None, ""), 'a JSONL file path when task.name is "jsonl"')
@@ -582,6 +594,9 @@ class TrainConfig:
             raise ValueError(f'packing.shared_prefix needs model.attn_implementation "grpo_varlen" (with '
                              f'"{self.model.attn_implementation}" the completions of a group would attend to each '
                              "other), got shared_prefix = true")  # fmt: skip
+        if self.task.eval_every and s.placement == "decoupled":
+            raise ValueError(f"task.eval_every = {self.task.eval_every} needs sampling.placement \"colocated\" (the "
+                             "decoupled servers sample ahead of the evaluations), got \"decoupled\"")  # fmt: skip
         mcl, new = self.loss.max_completion_length, self.sampling.max_new_tokens
         if mcl is not None and mcl < new:
             raise ValueError(f"loss.max_completion_length must be >= sampling.max_new_tokens ({new}), got {mcl}")

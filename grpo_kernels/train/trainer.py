@@ -342,7 +342,7 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
         scheduler.load_state_dict(state["scheduler"])
         if adaptive:
             adaptive.load_state_dict(state["adaptive"])
-        start_eval = state["eval_success_start"]
+        start_eval, eval_total = state["eval_success_start"], state.get("eval_s_total", 0.0)
     if checkpoint is not None or decoupled:
         synced = sync_sampler(first)
         if decoupled and d.is_main:
@@ -351,16 +351,19 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
     if checkpoint is not None:
         log(f"resumed from {checkpoint} at step {first}")
     else:
-        start_eval = evaluate_policy()
+        start_eval, eval_total = evaluate_policy(), 0.0
         log(f"held-out success before RL: {_with_se(start_eval, len(eval_set))}")
     if d.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         once = dataclasses.replace(config.checkpoint, resume_step=None, allow_config_change=False)
         save_config(dataclasses.replace(config, checkpoint=once), run_dir / "config.toml")
-    metrics_path = run_dir / "metrics.jsonl"
-    kept = []
-    if checkpoint is not None and metrics_path.exists():  # drop the steps after the checkpoint
-        kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] < first]
+    metrics_path, eval_path = run_dir / "metrics.jsonl", run_dir / "eval.jsonl"
+    kept, kept_evals = [], []
+    if checkpoint is not None:  # drop the steps after the checkpoint
+        if metrics_path.exists():
+            kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] < first]
+        if eval_path.exists():
+            kept_evals = [line for line in eval_path.read_text().splitlines() if json.loads(line)["step"] < first]
     writer = None
     if config.logging.tensorboard and d.is_main:
         from torch.utils.tensorboard import SummaryWriter
@@ -396,6 +399,11 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
     out = metrics_path.open("w") if d.is_main else None
     if out is not None:
         out.writelines(line + "\n" for line in kept)
+    evals = eval_path.open("w") if d.is_main and config.task.eval_every else None
+    if evals is not None:
+        evals.writelines(line + "\n" for line in kept_evals)
+    reached = None  # the step after which a held-out evaluation reached task.target_success
+    evaluated = (None, None)  # (step, success) of the latest evaluation in the loop
     compute_old = loss_options.get("sampler_is_mode") is not None or s.sampler == "vllm"  # the mismatch metric
     if decoupled:
         pipeline = rollouts.pipeline(produce, first=first, last=o.steps)
@@ -442,29 +450,57 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
                     f"  loss {metrics['loss']:+.4f}  {metrics['train_tokens_per_s']:.0f} tok/s")  # fmt: skip
         if bar is not None:
             bar.update(1)
+        t = config.task
+        if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == o.steps):
+            start = time.perf_counter()
+            success = evaluate_policy()
+            eval_s = time.perf_counter() - start
+            eval_total += eval_s
+            if evals is not None:
+                evals.write(json.dumps({"step": step, "eval_success": success,
+                                        "eval_success_se": _se(success, len(eval_set)), "eval_s": eval_s,
+                                        "eval_s_total": eval_total,
+                                        "elapsed_s": time.perf_counter() - started}) + "\n")  # fmt: skip
+                evals.flush()
+            say(f"step {step:4d}  held-out success {_with_se(success, len(eval_set))}")
+            evaluated = (step, success)
+            if t.target_success is not None and success >= t.target_success:
+                reached = step
         every = config.checkpoint.every
-        if every and ((step + 1) % every == 0 or step + 1 == o.steps):
+        last = step + 1 == o.steps or reached is not None
+        if every and ((step + 1) % every == 0 or last):
             state = {"step": step + 1, **where,
                      "scheduler": scheduler.state_dict(), "adaptive": adaptive.state_dict() if adaptive else None,
-                     "eval_success_start": start_eval, "elapsed_s": time.perf_counter() - started}  # fmt: skip
+                     "eval_success_start": start_eval, "eval_s_total": eval_total,
+                     "elapsed_s": time.perf_counter() - started}  # fmt: skip
             save_checkpoint(run_dir, step + 1, policy=policy, optimizer=optimizer, ref_policy=ref_policy,
                             trainer_state=state, d=d, config=to_dict(config))  # fmt: skip
+        if reached is not None:
+            say(f"held-out success {_with_se(success, len(eval_set))} reached task.target_success = "
+                f"{t.target_success} after step {step}: training stops")
+            break
     if out is not None:
         out.close()
+    if evals is not None:
+        evals.close()
     if bar is not None:
         bar.close()
     if writer is not None:
         writer.close()
     if pipeline is not None:
         pipeline.close()
-    final_eval = evaluate_policy()
+    steps = o.steps if reached is None else reached + 1
+    # the loop's evaluation after the last step is the final one (the weights have not changed since)
+    final_eval = evaluated[1] if evaluated[0] == steps - 1 else evaluate_policy()
     summary = {"eval_success_start": start_eval, "eval_success_end": final_eval, "eval_prompts": len(eval_set),
                "eval_success_se_start": _se(start_eval, len(eval_set)),
-               "eval_success_se_end": _se(final_eval, len(eval_set)), "steps": o.steps,
-               "group_size": s.group_size, "world_size": d.world, "seconds": time.perf_counter() - started}  # fmt: skip
+               "eval_success_se_end": _se(final_eval, len(eval_set)), "steps": steps,
+               "group_size": s.group_size, "world_size": d.world, "seconds": time.perf_counter() - started,
+               "eval_s_total": eval_total, "target_success": config.task.target_success,
+               "reached_target": reached is not None}  # fmt: skip
     if d.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    log(f"held-out success after {o.steps} steps: {_with_se(final_eval, len(eval_set))} "
+    log(f"held-out success after {steps} steps: {_with_se(final_eval, len(eval_set))} "
         f"(was {_with_se(start_eval, len(eval_set))}; ± one binomial standard error)")
     if d.distributed:
         torch.distributed.barrier()

@@ -80,10 +80,12 @@ def test_dynamic_sampling_drops_exactly_the_groups_the_advantage_kernel_marks_in
     examples = [Example(prompt=name, answer="") for name in names]
     config = load_config(None, ["--sampling.prompts_per_step=4", "--group_size.dynamic_sampling=true",
                                 "--group_size.max_resample_rounds=0"])  # fmt: skip
-    rollout, sampled, rounds = _collect(config, Sampler(), Tok(), Task(), lambda n: examples[:n], 0, 2, SINGLE)
+    rollout, sampled, rounds, tokens = _collect(config, Sampler(), Tok(), Task(), lambda n: examples[:n], 0, 2,
+                                                SINGLE)  # fmt: skip
     valid = group_advantages(torch.tensor([r for n in names for r in group_rewards[n]]), group_size=2).valid
     assert valid.tolist() == [False, True, False, False]  # the kernel's verdict on these four groups
     assert rollout.rewards.tolist() == [group_rewards["signal"]] and sampled == 4 and rounds == 0
+    assert tokens == 4 * 2 * 2  # every sampled completion (2 tokens each) counts, the dropped groups' too
     assert [int(p[0]) for p in rollout.prompt_ids] == [names.index("signal")] * 2
 
 
@@ -105,6 +107,14 @@ def test_held_out_evaluations_every_n_steps_and_at_the_end(tmp_path):
     assert [e["eval_s_total"] for e in evals] == pytest.approx([sum(x["eval_s"] for x in evals[: i + 1])
                                                                 for i in range(3)])  # fmt: skip
     assert summary["eval_success_end"] == evals[-1]["eval_success"] and summary["steps"] == 5
+    rows = _jsonl(run / "metrics.jsonl")
+    for e in evals:  # the run's totals so far: 2 prompts x G = 4 completions a step, their tokens, the seconds
+        done = rows[: e["step"] + 1]
+        assert e["completions_sampled"] == 8 * (e["step"] + 1) == sum(r["completions_sampled"] for r in done)
+        assert e["sampled_tokens"] == sum(r["sampled_tokens"] for r in done) > 0
+        assert e["generate_s"] == pytest.approx(sum(r["rollout_generate_s"] for r in done))
+        assert e["train_s"] == pytest.approx(sum(r["train_step_s"] for r in done))
+    assert summary["completions_sampled"] == 40 and summary["sampled_tokens"] == evals[-1]["sampled_tokens"]
     assert not summary["reached_target"] and summary["eval_s_total"] == pytest.approx(evals[-1]["eval_s_total"])
 
 
@@ -130,3 +140,6 @@ def test_training_stops_at_the_target_success_and_a_resumed_run_replays_its_eval
     again = _jsonl(full / "eval.jsonl")
     assert [(e["step"], e["eval_success"]) for e in again] == [(e["step"], e["eval_success"]) for e in evals]
     assert again[:2] == evals[:2]  # kept verbatim
+    # the totals continue from the checkpoint's (tokens and counts exactly; seconds are the replay's own)
+    assert [(e["completions_sampled"], e["sampled_tokens"]) for e in again] == [
+        (e["completions_sampled"], e["sampled_tokens"]) for e in evals]  # fmt: skip

@@ -124,9 +124,10 @@ def test_dynamic_sampling_keeps_groups_0_and_2_then_fills_the_batch_from_the_nex
     examples = iter([Example(prompt=str(k), answer="") for k in range(5)])
     config = load_config(None, ["--sampling.prompts_per_step=3", "--group_size.dynamic_sampling=true",
                                 "--group_size.max_resample_rounds=2"])  # fmt: skip
-    out, sampled, rounds = trainer._collect(config, _Sampler(), _Tok(), _Task(),
+    out, sampled, rounds, tokens = trainer._collect(config, _Sampler(), _Tok(), _Task(),
                                             lambda n: [next(examples) for _ in range(n)], 0, G, SINGLE)  # fmt: skip
     assert sampled == 4 and rounds == 1  # round 0: 3 prompts, 2 kept; round 1: 1 prompt, kept
+    assert tokens == 4 * G * 2  # the tokens of every sampled completion (2 each), the dropped group's too
     assert [int(p[0]) for p in out.prompt_ids[::G]] == [0, 2, 3] and out.group_ids == [0] * G + [1] * G + [2] * G
     assert out.rewards.tolist() == [REWARDS[0], REWARDS[2], _Task.table[3]]
     fresh = group_advantages(out.rewards.float().flatten(), group_size=G)

@@ -84,17 +84,17 @@ def evaluate(sampler, tok, task, examples, *, seed: int, d: Dist = SINGLE) -> fl
 
 
 def _collect(config: TrainConfig, sampler, tok, task, next_prompts, step: int, g: int, d: Dist):
-    """The step's (scored rollout, prompts sampled, extra rounds). With dynamic sampling, groups without a
+    """The step's (scored rollout, prompts sampled, extra rounds, completion tokens sampled). With dynamic sampling, groups without a
     gradient signal are dropped and more prompts sampled, for at most max_resample_rounds more rounds; the rollout
     is None when no group survived. With sampling.mask_truncated_completions its truncated completions are masked
     out of the loss (their rewards still count in the group advantages)."""
     s, gs = config.sampling, config.group_size
-    parts, sampled, rounds = [], 0, 0
+    parts, sampled, rounds, tokens = [], 0, 0, 0
     while True:
         batch = next_prompts(s.prompts_per_step - sum(r.num_groups for r in parts))
         seeds = [_seed(config.seed, step, rounds, k) for k in range(len(batch))]
         rollout = _sample(sampler, tok, task, batch, g, seeds, d)
-        sampled += len(batch)
+        sampled, tokens = sampled + len(batch), tokens + sum(len(c) for c in rollout.completion_ids)
         if gs.dynamic_sampling:  # keep the groups with a gradient signal: the advantage kernel's own verdict
             rollout = rollout.select(rollout.advantages.valid.nonzero().flatten().tolist())
         if rollout.num_groups:
@@ -106,7 +106,7 @@ def _collect(config: TrainConfig, sampler, tok, task, next_prompts, step: int, g
     rollout = Rollout.concat(parts) if parts else None
     if rollout is not None and s.mask_truncated_completions:
         rollout = rollout.mask_truncated()
-    return rollout, sampled, rounds
+    return rollout, sampled, rounds, tokens
 
 
 def _schedule(config: TrainConfig):
@@ -335,6 +335,9 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
         rate = evaluate(sampler, tok, task, eval_set, seed=config.seed + 7) if d.is_main else None
         return all_gather_objects(rate, d)[0]
 
+    # cumulative over the run (eval.jsonl reports them at every evaluation): completions and their tokens sampled
+    # (dynamic sampling's dropped groups and steps without an update included), seconds sampling, training, syncing
+    totals = {"completions_sampled": 0, "sampled_tokens": 0, "generate_s": 0.0, "train_s": 0.0, "sync_s": 0.0}
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, policy=policy, optimizer=optimizer, ref_policy=ref_policy, verify=False)
         first, cursor, order, elapsed = state["step"], state["cursor"], state["order"], state["elapsed_s"]
@@ -343,6 +346,7 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
         if adaptive:
             adaptive.load_state_dict(state["adaptive"])
         start_eval, eval_total = state["eval_success_start"], state.get("eval_s_total", 0.0)
+        totals.update(state.get("totals", {}))
     if checkpoint is not None or decoupled:
         synced = sync_sampler(first)
         if decoupled and d.is_main:
@@ -389,8 +393,8 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
     def produce(step):  # decoupled, rank 0, the sampling thread: the batch of `step`
         g = adaptive.group_size if adaptive else s.group_size
         sampler.versions.clear()
-        rollout, sampled, rounds = _collect(config, sampler, tok, task, next_prompts, step, g, SINGLE)
-        item = {"rollout": rollout, "sampled": sampled, "rounds": rounds, "group_size": g,
+        rollout, sampled, rounds, tokens = _collect(config, sampler, tok, task, next_prompts, step, g, SINGLE)
+        item = {"rollout": rollout, "sampled": sampled, "rounds": rounds, "tokens": tokens, "group_size": g,
                 "prompt_state": prompt_state()}  # fmt: skip
         if sampler.versions:  # the weight version the servers report for the batch's tokens
             item["version"] = min(sampler.versions)
@@ -411,15 +415,18 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
         timing = {}
         if decoupled:
             item = rollouts.get(pipeline, step)
-            rollout, sampled, rounds, g, where = (item[k] for k in ("rollout", "sampled", "rounds", "group_size",
-                                                                   "prompt_state"))  # fmt: skip
+            rollout, sampled, rounds, tokens, g, where = (item[k] for k in ("rollout", "sampled", "rounds", "tokens",
+                                                                           "group_size", "prompt_state"))  # fmt: skip
             timing = {"rollout_staleness": step - item["version"], "rollout_generate_s": item["generate_s"],
                       "rollout_wait_s": item["wait_s"]}  # fmt: skip
         else:
             g = adaptive.group_size if adaptive else s.group_size
             start = time.perf_counter()
-            rollout, sampled, rounds = _collect(config, sampler, tok, task, next_prompts, step, g, d)
+            rollout, sampled, rounds, tokens = _collect(config, sampler, tok, task, next_prompts, step, g, d)
             timing, where = {"rollout_generate_s": time.perf_counter() - start}, prompt_state()
+        totals["completions_sampled"] += sampled * g
+        totals["sampled_tokens"] += tokens
+        totals["generate_s"] += timing["rollout_generate_s"]
         if rollout is None:
             sync_sampler(step + 1, changed=False)
             say(f"step {step:4d}  every sampled group was invalid: no update")
@@ -432,10 +439,13 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
                                 autocast_dtype=torch.bfloat16 if bf16 and not d.distributed else None)  # fmt: skip
             scheduler.step()
             metrics.update(timing, **sync_sampler(step + 1))
+            totals["train_s"] += metrics["train_step_s"]
+            totals["sync_s"] += metrics.get("weight_sync_s", 0.0)
             if adaptive:
                 adaptive.update(metrics["invalid_group_rate"], rollout.pass_rates())
             metrics.update(step=step, lr=scheduler.get_last_lr()[0], elapsed_s=time.perf_counter() - started,
-                           group_size=g, prompts_sampled=sampled, resample_rounds=rounds)  # fmt: skip
+                           group_size=g, prompts_sampled=sampled, resample_rounds=rounds,
+                           completions_sampled=sampled * g, sampled_tokens=tokens)  # fmt: skip
             if out is not None:
                 out.write(json.dumps(metrics) + "\n")
                 out.flush()
@@ -459,7 +469,7 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
             if evals is not None:
                 evals.write(json.dumps({"step": step, "eval_success": success,
                                         "eval_success_se": _se(success, len(eval_set)), "eval_s": eval_s,
-                                        "eval_s_total": eval_total,
+                                        "eval_s_total": eval_total, **totals,
                                         "elapsed_s": time.perf_counter() - started}) + "\n")  # fmt: skip
                 evals.flush()
             say(f"step {step:4d}  held-out success {_with_se(success, len(eval_set))}")
@@ -471,7 +481,7 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
         if every and ((step + 1) % every == 0 or last):
             state = {"step": step + 1, **where,
                      "scheduler": scheduler.state_dict(), "adaptive": adaptive.state_dict() if adaptive else None,
-                     "eval_success_start": start_eval, "eval_s_total": eval_total,
+                     "eval_success_start": start_eval, "eval_s_total": eval_total, "totals": dict(totals),
                      "elapsed_s": time.perf_counter() - started}  # fmt: skip
             save_checkpoint(run_dir, step + 1, policy=policy, optimizer=optimizer, ref_policy=ref_policy,
                             trainer_state=state, d=d, config=to_dict(config))  # fmt: skip
@@ -496,7 +506,7 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
                "eval_success_se_start": _se(start_eval, len(eval_set)),
                "eval_success_se_end": _se(final_eval, len(eval_set)), "steps": steps,
                "group_size": s.group_size, "world_size": d.world, "seconds": time.perf_counter() - started,
-               "eval_s_total": eval_total, "target_success": config.task.target_success,
+               "eval_s_total": eval_total, **totals, "target_success": config.task.target_success,
                "reached_target": reached is not None}  # fmt: skip
     if d.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -208,3 +208,23 @@ def test_a_kill_at_any_point_of_a_checkpoint_write_leaves_an_intact_latest_check
         assert verify_checkpoint(latest)["step"] == int(latest.name[5:]), kill_at
         kill_at += 1
     assert kill_at > 10, kill_at  # the kills covered the whole write
+
+
+def test_keep_last_deletes_the_older_checkpoints_after_each_save(tmp_path):
+    run = tmp_path / "run"
+    trainer.train(load_config(None, [*ARGS, "--optim.steps=3", "--checkpoint.keep_last=2", f"--logging.run_dir={run}"]),
+                  log=lambda *a: None)  # fmt: skip
+    assert [p.name for p in ckpt.list_checkpoints(run)] == ["step_2", "step_3"]
+    verify_checkpoint(run / "checkpoints" / "step_3")
+    # a resume from step 2 saves step 3 again; keep_last = 1 then leaves only it (and never a later step)
+    main(["train", "--resume", str(run), "--checkpoint.resume_step=2", "--checkpoint.keep_last=1"])
+    assert [p.name for p in ckpt.list_checkpoints(run)] == ["step_3"]
+
+
+def test_keep_last_does_not_touch_checkpoints_of_later_steps(tmp_path):
+    run = tmp_path / "run"
+    trainer.train(load_config(None, [*ARGS, "--optim.steps=3", f"--logging.run_dir={run}"]), log=lambda *a: None)
+    shutil.rmtree(run / "checkpoints" / "step_3")
+    (run / "checkpoints" / "step_9").mkdir()  # a later step (as left by an abandoned branch of the run)
+    main(["train", "--resume", str(run), "--checkpoint.resume_step=1", "--checkpoint.keep_last=1"])
+    assert [p.name for p in ckpt.list_checkpoints(run)] == ["step_3", "step_9"]

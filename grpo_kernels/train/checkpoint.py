@@ -43,7 +43,8 @@ MANIFEST = "manifest.json"
 FORMAT = 1
 
 RUN_NEUTRAL_FIELDS = (
-    "logging.run_dir", "logging.log_every", "logging.tensorboard", "checkpoint.every", "checkpoint.resume",
+    "logging.run_dir", "logging.log_every", "logging.tensorboard", "checkpoint.every", "checkpoint.keep_last",
+    "checkpoint.resume",
     "checkpoint.resume_step", "checkpoint.allow_config_change", "distributed.backend", "distributed.sequence_parallel",
     "model.activation_checkpointing",
 )  # fmt: skip
@@ -122,9 +123,11 @@ def _write_manifest(directory: Path, step: int, config: dict | None) -> None:
 
 
 def save_checkpoint(run_dir, step: int, *, policy, optimizer, ref_policy, trainer_state: dict, d: Dist,
-                    config: dict | None = None) -> Path:  # fmt: skip
+                    config: dict | None = None, keep: int = 0) -> Path:  # fmt: skip
     """Write checkpoints/step_<step> (a collective: every rank calls it); returns its path. config (the run's
-    `to_dict(config)`) goes into the manifest, for `config_changes` on resume."""
+    `to_dict(config)`) goes into the manifest, for `config_changes` on resume. keep >= 1: afterwards only the keep
+    newest checkpoints up to this step remain (this one included; later steps, left by a resume from an earlier
+    checkpoint, are not touched); 0 keeps every checkpoint."""
     root = Path(run_dir) / "checkpoints"
     final, tmp, old = root / f"step_{step}", root / f".step_{step}.tmp", root / f".step_{step}.old"
     if d.is_main:
@@ -142,6 +145,9 @@ def save_checkpoint(run_dir, step: int, *, policy, optimizer, ref_policy, traine
         tmp.rename(final)
         _fsync_dir(root)
         shutil.rmtree(old, ignore_errors=True)
+        if keep:
+            for path in [p for p in list_checkpoints(run_dir) if _step_of(p) <= step][:-keep]:
+                shutil.rmtree(path)
     _barrier(d)
     return final
 

@@ -516,7 +516,9 @@ class CheckpointConfig:
     section: ClassVar[str] = "checkpoint"
 
     every: int = 0
-    """Save a checkpoint every this many steps (0 = never; the last step is not saved unless it is a multiple)."""
+    """Save a checkpoint every this many steps and after the last one (0 = never)."""
+    keep_last: int = 0
+    """Keep only this many newest checkpoints (older ones are deleted after a save); 0 = keep every one."""
     resume: str | None = None
     """Run directory to resume from (its latest checkpoint); None = start fresh."""
     resume_step: int | None = None
@@ -528,7 +530,7 @@ class CheckpointConfig:
     (grpo_kernels.train.checkpoint.RUN_NEUTRAL_FIELDS). Used once (config.toml keeps false)."""
 
     def __post_init__(self):
-        _validate(self, at_least={"every": 0})
+        _validate(self, at_least={"every": 0, "keep_last": 0})
         _check(self, "resume", self.resume != "", "a run directory or none")
         if self.resume_step is not None:
             _check(self, "resume_step", self.resume_step >= 1, ">= 1")

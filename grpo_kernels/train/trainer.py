@@ -484,7 +484,8 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
                      "eval_success_start": start_eval, "eval_s_total": eval_total, "totals": dict(totals),
                      "elapsed_s": time.perf_counter() - started}  # fmt: skip
             save_checkpoint(run_dir, step + 1, policy=policy, optimizer=optimizer, ref_policy=ref_policy,
-                            trainer_state=state, d=d, config=to_dict(config))  # fmt: skip
+                            trainer_state=state, d=d, config=to_dict(config),
+                            keep=config.checkpoint.keep_last)  # fmt: skip
         if reached is not None:
             say(f"held-out success {_with_se(success, len(eval_set))} reached task.target_success = "
                 f"{t.target_success} after step {step}: training stops")

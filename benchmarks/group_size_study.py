@@ -49,11 +49,13 @@ from unittest import mock
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = str(REPO / "benchmarks" / "results" / "group_size_study")
 for _path in (REPO, REPO / "benchmarks"):  # run as a script from anywhere; group_size_model beside it
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
 import group_size_gradients  # noqa: E402
+import group_size_learning  # noqa: E402
 import group_size_model  # noqa: E402
 
 from grpo_kernels.advantages import group_advantages  # noqa: E402
@@ -299,11 +301,26 @@ def write_summary(out: Path, mc: list[dict], emp: list[dict] | None, *, command:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="grpo-kernels group-size-study", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny budget, G in {2, 8} + adaptive (about a minute)")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "group_size_study"))
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help="results directory (--learning: default benchmarks/results/group_size_learning)")
     parser.add_argument("--theory-only", action="store_true", help="skip the training runs")
     group_size_model.add_arguments(parser)
     group_size_gradients.add_arguments(parser)
+    group_size_learning.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.learning:  # time to target vs G (group_size_learning.py)
+        if args.gradients:
+            parser.error("--learning and --gradients are separate studies: run one at a time")
+        if args.quick:
+            vars(args).update(group_size_learning.QUICK)
+        elif args.model is None:
+            parser.error("--learning needs --model (or --quick)")
+        elif not args.plot_only and (args.target is None or not 0 < args.target <= 1):
+            parser.error(f"--learning needs --target in (0, 1], got {args.target}")
+        for name in ("max_steps", "eval_every", "eval_prompts", "prompts_per_step"):
+            if getattr(args, name) < 1:
+                parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        return group_size_learning.run(args, Path(args.out) if args.out != DEFAULT_OUT else None)
     if (args.gradients or args.plot_only) and args.model is None:
         parser.error("--gradients and --plot-only need --model")
     if args.gradients or args.plot_only:  # gradient agreement vs G at fixed parameters (group_size_gradients.py)

@@ -1,0 +1,114 @@
+"""benchmarks/group_size_learning.py (group-size-study --learning): the quick path end to end through the CLI, its
+accounting against the runs' own files, the report rebuilt from the CSVs alone, resuming, and bad input."""
+
+import csv
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from grpo_kernels import cli
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+spec = importlib.util.spec_from_file_location("group_size_learning", BENCH / "group_size_learning.py")
+gl = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gl)
+
+
+def _rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    root = tmp_path_factory.mktemp("learning")
+    argv = ["group-size-study", "--learning", "--quick", "--out", str(root / "out"), "--workdir", str(root / "work")]
+    cli.main(argv)
+    return root, argv
+
+
+def test_quick_study_writes_every_file_and_counts_what_the_runs_did(study):
+    root, _ = study
+    out = root / "out" / "tiny"
+    for name in ("curves.csv", "runs.csv", "summary.md", "success_vs_samples.png", "success_vs_time.png",
+                 "time_to_target.png"):  # fmt: skip
+        assert (out / name).stat().st_size > 0, name
+    runs = {r["setting"]: r for r in _rows(out / "runs.csv")}
+    assert set(runs) == {"2", "8"}
+    for g in (2, 8):
+        run = out / "runs" / f"{g}_seed0"
+        steps, evals = _jsonl(run / "metrics.jsonl"), _jsonl(run / "eval.jsonl")
+        assert [e["step"] for e in evals] == [1, 3]  # every 2 steps of 4
+        curve = [r for r in _rows(out / "curves.csv") if r["setting"] == str(g)]
+        assert [int(r["step"]) for r in curve] == [-1, 1, 3]
+        assert [int(r["completions"]) for r in curve] == [0, 2 * 4 * g, 4 * 4 * g]  # 4 prompts x G per step
+        assert int(curve[-1]["trained_tokens"]) == sum(m["completion_tokens"] for m in steps)
+        assert int(curve[-1]["sampled_tokens"]) == evals[-1]["sampled_tokens"] >= int(curve[-1]["trained_tokens"])
+        assert float(curve[-1]["eval_success"]) == evals[-1]["eval_success"]
+        r = runs[str(g)]
+        # the tiny model does not reach the target 1.0 in 4 steps: the row is the run's end
+        assert r["reached"] == str(evals[-1]["eval_success"] >= 1.0) and int(r["steps"]) == 4
+        assert float(r["invalid_rate"]) == pytest.approx(sum(m["invalid_group_rate"] for m in steps) / len(steps),
+                                                         abs=1e-4)  # fmt: skip
+    assert not list((root / "work").glob("*/checkpoints"))  # deleted once a run is done
+
+
+def test_plot_only_rebuilds_the_report_from_the_csvs_alone(study, tmp_path):
+    root, _ = study
+    copy = tmp_path / "tiny"
+    shutil.copytree(root / "out" / "tiny", copy)
+    shutil.rmtree(copy / "runs")
+    for png in copy.glob("*.png"):
+        png.unlink()
+    (copy / "summary.md").unlink()
+    cli.main(["group-size-study", "--learning", "--quick", "--plot-only", "--out", str(tmp_path)])
+    assert (copy / "summary.md").read_text() == (root / "out" / "tiny" / "summary.md").read_text()
+    assert all((copy / p).stat().st_size > 0 for p in ("success_vs_samples.png", "time_to_target.png"))
+
+
+def test_a_finished_run_is_not_run_again_and_a_cut_short_one_resumes(study, capsys):
+    root, argv = study
+    out = root / "out" / "tiny"
+    before = (out / "curves.csv").read_text()
+    capsys.readouterr()
+    cli.main(argv)
+    assert capsys.readouterr().out.count("done before") == 2 and (out / "curves.csv").read_text() == before
+    # a run cut short: its checkpoint is in the workdir, its results are not
+    kept = out / "runs" / "8_seed0"
+    shutil.rmtree(kept)
+    args = type("A", (), dict(gl.QUICK, adaptive_threshold=0.5))()
+    work = root / "work" / "8_seed0"
+    shutil.rmtree(work)
+    cli.main(["train", *gl.run_overrides(args, "8", 0, work), "--optim.steps=4"])  # checkpoint at step 4
+    (work / "summary.json").unlink()
+    assert gl.train_run(args, "8", 0, root / "work", out) == "resumed"
+    assert _jsonl(kept / "eval.jsonl")[-1]["step"] == 3 and not (work / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--model", "tiny"], "--learning needs --target in (0, 1], got None"),
+    (["--model", "tiny", "--target", "1.5"], "--learning needs --target in (0, 1], got 1.5"),
+    ([], "--learning needs --model (or --quick)"),
+    (["--model", "tiny", "--target", "0.5", "--max-steps", "0"], "--max-steps must be >= 1, got 0"),
+    (["--quick", "--gradients"], "--learning and --gradients are separate studies"),
+])  # fmt: skip
+def test_bad_arguments_are_one_error_line(extra, message, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["group-size-study", "--learning", *extra])
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_setting_is_an_error_before_anything_runs(tmp_path):
+    with pytest.raises(SystemExit, match="unknown --settings 12x"):
+        cli.main(["group-size-study", "--learning", "--model", "tiny", "--target", "0.5", "--settings", "8,12x",
+                  "--out", str(tmp_path), "--workdir", str(tmp_path / "work")])  # fmt: skip
+    assert not (tmp_path / "work").exists()

@@ -86,8 +86,9 @@ def evaluate(sampler, tok, task, examples, *, seed: int, d: Dist = SINGLE) -> fl
 def _collect(config: TrainConfig, sampler, tok, task, next_prompts, step: int, g: int, d: Dist):
     """The step's (scored rollout, prompts sampled, extra rounds, completion tokens sampled). With dynamic
     sampling, groups without a gradient signal are dropped and more prompts sampled, for at most
-    max_resample_rounds more rounds; the rollout is None when no group survived. With sampling.mask_truncated_completions its truncated completions are masked
-    out of the loss (their rewards still count in the group advantages)."""
+    max_resample_rounds more rounds; the rollout is None when no group survived. With
+    sampling.mask_truncated_completions its truncated completions are masked out of the loss (their rewards still
+    count in the group advantages)."""
     s, gs = config.sampling, config.group_size
     parts, sampled, rounds, tokens = [], 0, 0, 0
     while True:

@@ -27,6 +27,7 @@ import random
 import time
 from pathlib import Path
 
+import group_size_model  # the results directory of a (model, task, difficulty)
 import torch
 
 GROUP_SIZES = (2, 4, 8, 16, 32)
@@ -209,7 +210,7 @@ def report(out: Path) -> list[Path]:
 
 
 def run(args, out_root: Path) -> int:
-    out = out_root / Path(args.model).name
+    out = out_root / group_size_model.results_name(args)
     if args.plot_only:
         for path in report(out):
             print(f"wrote {path}")

@@ -13,7 +13,8 @@ completions unless --samples says otherwise:
 - set B is cut into K / G disjoint groups of G for every G, whose all-pass or all-fail share is the measured rate.
 The two are compared per prompt: SE = sd(measured_i - predicted_i) / sqrt(N), "within" means |difference| <= 3 SE.
 The naive p_bar^G + (1 - p_bar)^G at the mean pass rate (homogeneous prompts; too low by Jensen) is shown for contrast.
-Writes DIR/<model>/: pass_rates.csv (per prompt), summary.md and pass_rates.png.
+Writes DIR/<model>/ (DIR/<model>_<task>_d<difficulty>/ for another task or difficulty): pass_rates.csv (per
+prompt), summary.md and pass_rates.png.
 """
 
 import csv
@@ -149,11 +150,17 @@ def run(args, out_root: Path) -> int:
     command = (f"grpo-kernels group-size-study --model {args.model} --prompts {args.prompts} --samples {k} "
                f"--sampler {args.sampler} --task {args.task} --difficulty {args.difficulty} "
                f"--temperature {args.temperature} --max-new-tokens {args.max_new_tokens}")  # fmt: skip
-    name = Path(args.model).name
+    name = results_name(args)
     for path in write(out_root / name, rows, table, k=k, command=command, seconds=time.perf_counter() - start):
         print(f"wrote {path}")
     print((out_root / name / "summary.md").read_text())
     return 0
+
+
+def results_name(args) -> str:
+    """<model> for the default task (arith, difficulty 1), <model>_<task>_d<difficulty> for another."""
+    name = Path(args.model).name
+    return name if (args.task, args.difficulty) == ("arith", 1) else f"{name}_{args.task}_d{args.difficulty}"
 
 
 def add_arguments(parser) -> None:

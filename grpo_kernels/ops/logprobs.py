@@ -1,15 +1,20 @@
 """Selective log-probs (log-softmax + gather) and entropy: Triton kernels, launchers, registration, autograd.
 
 Design. One program per token row (the token dimension on grid axis 0: any T up to 2^31 - 1). The forward
-reads the row once in BLOCK_V chunks with an online log-sum-exp kept per lane (running max m, sum of
-exp(z - m), and for the entropy the sum of exp(z - m) (z - m)), combined across lanes at the end; it writes
-the log-prob of the chosen id (NaN for an id outside [0, V), which is never read), the entropy, and the
-row's log-sum-exp for the backward, so no [T, V] buffer is stored. The backward reads the row once more and
-writes (it compares the id with the columns, never indexes with it: a bad id just gets no one-hot term)
-    dlogits = (g (onehot - p) - gH p (log p + H)) / temperature,   p = exp(z - lse), z = logits / temperature.
-Entropy uses the shifted sum (z - m), so a peaked row with large logits keeps its small entropy accurate.
-A -inf logit (a masked vocabulary) adds exactly 0 to the entropy and gets exactly 0 gradient (no 0 * -inf).
-Everything is accumulated in fp32; the temperature is a runtime argument.
+reads the row once in BLOCK_V chunks with an online log-sum-exp kept per lane, in the units of the raw logits x
+(as the C++ backend): a running max m of x, s = sum exp(d) and, for the entropy, u = sum exp(d) d, with
+d = (x - m) / T; the lanes are combined at the end into (M, S, U). Then
+    logp = (x_id - M) / T - log S,   entropy = log S - U / S,   lse = M / T + log S.
+x_id - M is exact near the top of the row, so huge logits or a tiny T lose no bits to x / T (the z - lse form
+did: |x| / T * 2^-24), and the entropy is a difference of two non-negative terms, never of two large ones.
+d is clamped below at -120 (exp = 0 in fp32): a -inf logit, or a difference past fp32's range (rows of
++-3e38), adds exactly 0 to S and U (no 0 * -inf). It writes the log-prob of the chosen id (NaN for an id
+outside [0, V), which is never read), the entropy and the row's lse for the backward, so no [T, V] buffer is
+stored. The backward reads the row once more and writes (it compares the id with the columns, never indexes
+with it: a bad id just gets no one-hot term)
+    dlogits = (g (onehot - p) - gH p (log p + H)) / T,   log p = (x - c) / T + k,
+with c = 0, k = -lse while |lse| < 32 (the fp32 lse is good to ~1e-6 there) and, past it, the row's (M, S)
+computed again (one more read): c = M, k = -log S. Everything is accumulated in fp32; T is a runtime argument.
 """
 
 import torch
@@ -20,9 +25,46 @@ from .. import _C
 from ._triton import require_triton_device
 
 MAX_BLOCK_V = 4096
+MIN_ARG = tl.constexpr(-120.0)  # exp(-120) is 0 in fp32
+EXACT_LSE = tl.constexpr(32.0)  # from |lse| = 32 up (fp32 spacing >= 2^-18) the backward recomputes (M, S)
 
 
 # ----------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _row_stats(base, V, inv_temperature, RETURN_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One pass over a row: (M, S, U) with M the max of the raw logits x, d = (x - M) / T clamped below at
+    MIN_ARG, S = sum exp(d) and U = sum exp(d) d (only with RETURN_ENTROPY). Per lane first, then combined."""
+    cols = tl.arange(0, BLOCK_V)
+    m = tl.full((BLOCK_V,), -3.4028234663852886e38, dtype=tl.float32)  # -FLT_MAX: m - m is never -inf - -inf
+    s = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    u = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        x = tl.load(base + v0 + cols, mask=v0 + cols < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, x)
+        # where(d < MIN_ARG) keeps a NaN (a NaN logit makes the row's sums NaN, as it should); x = -inf or a
+        # difference past fp32's range lands on MIN_ARG, whose exp is 0 and whose term in U is 0 * MIN_ARG = 0.
+        shift = (m - m_new) * inv_temperature
+        shift = tl.where(shift < MIN_ARG, MIN_ARG, shift)
+        w = tl.exp(shift)
+        d = (x - m_new) * inv_temperature
+        d = tl.where(d < MIN_ARG, MIN_ARG, d)
+        e = tl.exp(d)
+        if RETURN_ENTROPY:
+            u = w * (u + shift * s) + e * d
+        s = s * w + e
+        m = m_new
+    big_m = tl.max(m, axis=0)
+    shift = (m - big_m) * inv_temperature
+    shift = tl.where(shift < MIN_ARG, MIN_ARG, shift)
+    w = tl.exp(shift)
+    total = tl.sum(s * w, axis=0)
+    if RETURN_ENTROPY:
+        us = tl.sum(w * (u + shift * s), axis=0)
+    else:
+        us = total * 0.0
+    return big_m, total, us
+
+
 @triton.jit
 def _logprobs_fwd_kernel(
     logits_ptr, stride_t, ids_ptr, logps_ptr, entropy_ptr, lse_ptr, V, inv_temperature,
@@ -30,44 +72,17 @@ def _logprobs_fwd_kernel(
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_t
-    cols = tl.arange(0, BLOCK_V)
-    m = tl.full((BLOCK_V,), float("-inf"), dtype=tl.float32)
-    s = tl.zeros((BLOCK_V,), dtype=tl.float32)
-    sz = tl.zeros((BLOCK_V,), dtype=tl.float32)  # sum of exp(z - m) (z - m), per lane
-    for v0 in range(0, V, BLOCK_V):
-        valid = v0 + cols < V
-        z = tl.load(base + v0 + cols, mask=valid, other=float("-inf")).to(tl.float32) * inv_temperature
-        m_new = tl.maximum(m, z)
-        # Lanes that have seen no value yet keep m = -inf; the finite stand-ins below keep -inf - -inf (NaN)
-        # out of every expression, selected or not.
-        # A NaN logit counts as seen (tl.maximum drops NaN): its exp is NaN, and so become the row's sums and lse.
-        seen = (m_new > float("-inf")) | (z != z)
-        m_ref = tl.where(seen, m_new, 0.0)
-        z_fin = tl.where(valid, z, m_ref)
-        scale = tl.exp(m - m_ref)
-        e = tl.where(valid & seen, tl.exp(z_fin - m_ref), 0.0)
-        if RETURN_ENTROPY:
-            shift = tl.where(m > float("-inf"), m, m_ref) - m_ref
-            # A -inf logit has e = 0 and z - m = -inf: its term is exactly 0, not 0 * -inf = NaN.
-            sz = scale * (sz + s * shift) + tl.where(z_fin != float("-inf"), e * (z_fin - m_ref), 0.0)
-        s = s * scale + e
-        m = m_new
-    big_m = tl.max(m, axis=0)
-    w = tl.where(m > float("-inf"), tl.exp(m - big_m), 0.0)
-    total = tl.sum(s * w, axis=0)
-    lse = big_m + tl.log(total)
+    big_m, total, us = _row_stats(base, V, inv_temperature, RETURN_ENTROPY, BLOCK_V)
+    log_s = tl.log(total)
     # An id outside [0, V) (the wrapper rejects it, but its checks do not run under torch.compile) reads
     # nothing: the row's log-prob is NaN; its entropy and lse are still written.
     target = tl.load(ids_ptr + row)
     in_range = (target >= 0) & (target < V)
-    z_id = tl.load(base + tl.where(in_range, target, 0), mask=in_range, other=float("nan"))
-    z_id = z_id.to(tl.float32) * inv_temperature
-    tl.store(logps_ptr + row, z_id - lse)
-    tl.store(lse_ptr + row, lse)
+    x_id = tl.load(base + tl.where(in_range, target, 0), mask=in_range, other=float("nan")).to(tl.float32)
+    tl.store(logps_ptr + row, (x_id - big_m) * inv_temperature - log_s)  # x_id - M: exact near the top
+    tl.store(lse_ptr + row, big_m * inv_temperature + log_s)
     if RETURN_ENTROPY:
-        # sum_v p (z - M) with every lane moved to the row max M; H = log(total) - that.
-        shifted = tl.sum(w * (sz + s * (tl.where(m > float("-inf"), m, big_m) - big_m)), axis=0) / total
-        tl.store(entropy_ptr + row, tl.log(total) - shifted)
+        tl.store(entropy_ptr + row, log_s - us / total)  # two non-negative terms: no cancellation of large z
 
 
 @triton.jit
@@ -84,16 +99,25 @@ def _logprobs_bwd_kernel(
     if HAS_GRAD_ENTROPY:
         g_h = tl.load(grad_entropy_ptr + row)
         h = tl.load(entropy_ptr + row)
+    # log p = (x - c) / T + k. Below |lse| = EXACT_LSE the fp32 lse is good to ~1e-6: c = 0, k = -lse. From
+    # there up every p of the row would inherit the lse's rounding, so the row's (M, S) are computed again
+    # (one more read of the row): c = M, k = -log S, as exact as the forward.
+    c = lse * 0.0
+    k = -lse
+    if tl.abs(lse) >= EXACT_LSE:
+        big_m, total, _ = _row_stats(base, V, inv_temperature, False, BLOCK_V)
+        c = big_m
+        k = -tl.log(total)
     cols = tl.arange(0, BLOCK_V)
     for v0 in range(0, V, BLOCK_V):
         valid = v0 + cols < V
         x = tl.load(base + v0 + cols, mask=valid, other=0.0)
-        log_p = x.to(tl.float32) * inv_temperature - lse
+        log_p = (x.to(tl.float32) - c) * inv_temperature + k
+        log_p = tl.where(log_p < MIN_ARG, MIN_ARG, log_p)  # p = 0 and p log p = 0, also for -inf logits
         p = tl.exp(log_p)
         d = g * (tl.where(v0 + cols == target, 1.0, 0.0) - p)
         if HAS_GRAD_ENTROPY:
-            # p (log p + H) is 0, not 0 * -inf = NaN, for a -inf logit.
-            d -= tl.where(log_p != float("-inf"), g_h * p * (log_p + h), 0.0)
+            d -= g_h * p * (log_p + h)
         tl.store(out + v0 + cols, (d * inv_temperature).to(x.dtype), mask=valid)
 
 

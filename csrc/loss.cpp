@@ -17,7 +17,7 @@
 //       direct += beta (1 - exp(ref - logp)) (no bias_kl), -beta (ref - logp) w (bias_kl, token level: the whole
 //       derivative), beta (1 - exp(ref - logp)) w (bias_kl, GSPO, then also dl/dw += beta k3)
 //   coef_t = m (dl/dw w + direct) (token level) or m direct (GSPO: the w_s part goes through b_s)
-//   stats_s = [sum m l, sum m, sum m dl/dw (GSPO), sum m [low], sum m [high], sum m [low or high], sum m w,
+//   stats_s (fp64) = [sum m l, sum m, sum m dl/dw (GSPO), sum m [low], sum m [high], sum m [low or high], sum m w,
 //              sum m k3 k, sum m |logp - sampler| (NaN terms skipped), log_w_s (0 at token level), phi_s of
 //              adv_s (vespo with per-sequence advantages, else 0)]; vespo: sum m phi in the low column, no flags
 //   low/high: family 0: min(w, delta) < 1 - eps_low, A < 0 / > 1 + eps_high, A > 0; cispo: low = w > eps_high,
@@ -46,8 +46,9 @@
 //     loads / stores for the tail of a sequence (no reads past its end), branch-free selects for min / clamp
 //     gradients / ties. exp16 arguments are clamped to [-120, 89] (exp16 needs finite input; exp is 0 or inf
 //     there, like expf). Phase-2 sums: fp32 per lane over blocks of 8 vectors (<= 8 terms), then widened and
-//     added into fp64 lanes, combined in lane order at the end. Phase 1 widens every vector to fp64 at once
-//     (clamped sampler differences of +-FLT_MAX must not overflow an fp32 partial).
+//     added into fp64 lanes, combined in lane order at the end (the value columns' terms weighted by 1/8 in
+//     fp32 and by 8 in fp64, so no fp32 partial overflows where the fp64 sum does not). Phase 1 widens every
+//     vector to fp64 at once (clamped sampler differences of +-FLT_MAX must not overflow an fp32 partial).
 //   * Portable path (other CPUs, or set_loss_simd(False)): the same maths, scalar std::exp, fp64 sums.
 //     (GCC does not vectorize it: the expf calls.) Padded B=64, L=2048 fp32 dapo with old_logps and a mask,
 //     2 threads (Zen 4): forward 0.09 ms (0.11 with the KL term) with AVX-512, 0.56 (0.95) portable;
@@ -72,6 +73,8 @@
 namespace grpo::loss {
 
 constexpr int kKernelStats = 9, kStats = 11, kSeqSums = 5;
+// the kernel columns that sum values (loss, dl/dw, ratio, KL, sampler diff) rather than mask weights
+constexpr bool kValueColumn[kKernelStats] = {true, false, true, false, false, false, true, true, true};
 constexpr float kLog1e8 = -18.420680743952367f;  // VESPO's floor on log ratios (TRL: log(1e-8))
 
 inline std::atomic<bool> simd_enabled{true};
@@ -311,6 +314,9 @@ GRPO_AVX512 void seq_avx512(const T* x, const Params& p, const Seq& q, int64_t t
   const __m512 neg0 = _mm512_set1_ps(-0.f);
   __m512d wide[kKernelStats][2];
   for (auto& a : wide) a[0] = a[1] = _mm512_setzero_pd();
+  // The value columns (loss, dl/dw, ratio, KL, sampler diff) take each term times 1/8 into their fp32 block
+  // partials, times 8 again in fp64: 8 terms of up to FLT_MAX per lane cannot overflow (a power of two: exact).
+  const __m512 eighth = _mm512_set1_ps(0.125f);
   for (int64_t b = t0; b < t1; b += 128) {  // blocks of 8 vectors: fp32 partial sums, then widened
     __m512 acc[kKernelStats];
     for (auto& a : acc) a = zero;
@@ -318,6 +324,7 @@ GRPO_AVX512 void seq_avx512(const T* x, const Params& p, const Seq& q, int64_t t
       const __mmask16 k = tail_mask(t1 - j);
       const __m512 m = p.mask ? _mm512_maskz_loadu_ps(k, p.mask + j) : _mm512_maskz_mov_ps(k, one);
       const __mmask16 on = _mm512_cmp_ps_mask(m, zero, _CMP_NEQ_UQ);
+      const __m512 m8 = _mm512_mul_ps(m, eighth);  // the weight of a value column's term (see above)
       const __m512 lp = Io<T>::load(x + j, k, zero), old = p.old ? _mm512_maskz_loadu_ps(k, p.old + j) : lp;
       const __m512 adv = p.adv_per_token ? _mm512_maskz_loadu_ps(k, p.adv + j) : adv_s;
       const __m512 nadv = _mm512_xor_ps(adv, neg0);
@@ -380,7 +387,7 @@ GRPO_AVX512 void seq_avx512(const T* x, const Params& p, const Seq& q, int64_t t
         const __m512 raw = _mm512_abs_ps(_mm512_sub_ps(lp, s));
         const __mmask16 ok = _mm512_mask_cmp_ps_mask(on, raw, raw, _CMP_ORD_Q);  // NaN terms skipped
         const __m512 diff = _mm512_min_ps(raw, big);                              // inf -> FLT_MAX
-        acc[8] = _mm512_mask_add_ps(acc[8], ok, acc[8], _mm512_mul_ps(m, diff));
+        acc[8] = _mm512_mask_add_ps(acc[8], ok, acc[8], _mm512_mul_ps(m8, diff));
       }
       if (p.ref) {
         const __m512 dr = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, p.ref + j), lp);
@@ -404,29 +411,29 @@ GRPO_AVX512 void seq_avx512(const T* x, const Params& p, const Seq& q, int64_t t
           direct = _mm512_add_ps(direct, _mm512_sub_ps(beta, be));
         }
         pol = _mm512_add_ps(pol, term);
-        acc[7] = _mm512_mask_add_ps(acc[7], on, acc[7], _mm512_mul_ps(m, _mm512_div_ps(term, beta)));
+        acc[7] = _mm512_mask_add_ps(acc[7], on, acc[7], _mm512_mul_ps(m8, _mm512_div_ps(term, beta)));
       }
       __m512 c;
       if constexpr (kSeq) {
         c = _mm512_maskz_mul_ps(on, m, direct);
-        acc[2] = _mm512_mask_add_ps(acc[2], on, acc[2], _mm512_mul_ps(m, dpol));
+        acc[2] = _mm512_mask_add_ps(acc[2], on, acc[2], _mm512_mul_ps(m8, dpol));
       } else {
         c = _mm512_maskz_mul_ps(on, m, _mm512_add_ps(times_w(dpol, w), direct));
       }
       if constexpr (kLoss != 3)  // NaN term: NaN grad (vespo: -phi A)
         c = _mm512_mask_mov_ps(c, _mm512_mask_cmp_ps_mask(on, pol, pol, _CMP_UNORD_Q), pol);
       _mm512_mask_storeu_ps(coef + j, k, c);
-      acc[0] = _mm512_mask_add_ps(acc[0], on, acc[0], _mm512_mul_ps(m, pol));
+      acc[0] = _mm512_mask_add_ps(acc[0], on, acc[0], _mm512_mul_ps(m8, pol));
       acc[1] = _mm512_add_ps(acc[1], m);
       if constexpr (kLoss == 3) acc[3] = _mm512_mask_add_ps(acc[3], on, acc[3], _mm512_mul_ps(m, phi));
       acc[3] = _mm512_mask_add_ps(acc[3], on & low, acc[3], m);
       acc[4] = _mm512_mask_add_ps(acc[4], on & high, acc[4], m);
       acc[5] = _mm512_mask_add_ps(acc[5], on & (low | high), acc[5], m);
-      acc[6] = _mm512_mask_add_ps(acc[6], on, acc[6], _mm512_mul_ps(m, w));
+      acc[6] = _mm512_mask_add_ps(acc[6], on, acc[6], _mm512_mul_ps(m8, w));
     }
     for (int i = 0; i < kKernelStats; ++i) add_wide(wide[i], acc[i]);
   }
-  for (int i = 0; i < kKernelStats; ++i) out[i] = lane_sum(wide[i]);
+  for (int i = 0; i < kKernelStats; ++i) out[i] = lane_sum(wide[i]) * (kValueColumn[i] ? 8.0 : 1.0);
 }
 #endif  // GRPO_HAVE_AVX512
 
@@ -512,8 +519,10 @@ std::tuple<at::Tensor, at::Tensor> grpo_loss_fwd(
   p.tau_pos = static_cast<float>(tau_pos), p.tau_neg = static_cast<float>(tau_neg);
   const bool pre = seq_level || p.sampler_per_seq || p.vespo, vec = simd();
   const auto f32 = logps.options().dtype(at::kFloat);
-  at::Tensor stats = at::empty({B, kStats}, f32), coef = at::empty({T}, f32);
-  float *st = stats.data_ptr<float>(), *cf = coef.data_ptr<float>();
+  // stats in fp64: a sequence's sum of finite fp32 terms may pass FLT_MAX while its mean does not
+  at::Tensor stats = at::empty({B, kStats}, f32.dtype(at::kDouble)), coef = at::empty({T}, f32);
+  double* st = stats.data_ptr<double>();
+  float* cf = coef.data_ptr<float>();
   const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
   dispatch(logps, loss_family, seq_level, [&](auto tag, auto loss, auto level) {
     using T_ = decltype(tag);
@@ -551,8 +560,8 @@ std::tuple<at::Tensor, at::Tensor> grpo_loss_fwd(
         else
 #endif
           seq_portable<T_, kLoss, kSeq>(x, p, q, t0, t1, cf, acc);
-        float* row = st + s * kStats;
-        for (int i = 0; i < kKernelStats; ++i) row[i] = static_cast<float>(acc[i]);
+        double* row = st + s * kStats;
+        for (int i = 0; i < kKernelStats; ++i) row[i] = acc[i];
         row[kKernelStats] = log_w;
         row[kKernelStats + 1] = p.vespo && !p.adv_per_token ? (q.adv >= 0.f ? q.phi_pos : q.phi_neg) : 0.f;
       }
@@ -596,7 +605,7 @@ void init_loss(pybind11::module_& m) {
   namespace gl = grpo::loss;
   m.def("grpo_loss_fwd", &gl::grpo_loss_fwd,
         "GRPO policy loss forward (CPU): flat [T] logps (f32/bf16/f16), old/ref/sampler/mask f32 [T] or None,\n"
-        "advantages f32 [B] or [T] (adv_per_token), cu_seqlens int64 [B + 1]. Returns (stats [B, 11] f32, coef [T] f32); see\n"
+        "advantages f32 [B] or [T] (adv_per_token), cu_seqlens int64 [B + 1]. Returns (stats [B, 11] f64, coef [T] f32); see\n"
         "grpo_kernels/ops/loss.py.",
         py::arg("logps"), py::arg("old_logps"), py::arg("ref_logps"), py::arg("sampler_logps"), py::arg("advantages"),
         py::arg("adv_per_token"), py::arg("mask"), py::arg("cu_seqlens"), py::arg("loss_family"), py::arg("seq_level"), py::arg("sampler_mode"),

@@ -124,12 +124,12 @@ def _token_level_pass(chunks, rows, ids, flat, layout, finish, bonus):
     (coef, w), the bonus -coef sum_t w_t H_t (w: [T] token weights summing to 1), whose gradient joins the row's."""
     b, cu_host, seq_of = layout
     old, ref, sampler, adv, adv_per_token, mask = flat
-    stats = torch.zeros(b, _loss_ops.NUM_STATS, dtype=torch.float32, device=ids.device)
+    stats = torch.zeros(b, _loss_ops.NUM_STATS, dtype=torch.float64, device=ids.device)
     counts = stats.clone()
     counts[:, 1] = _segment_sum(mask, layout, ids.device)
     counts.requires_grad_()
     with torch.enable_grad():
-        a = torch.autograd.grad(_loss_ops.finish(counts, None, **finish)[0], counts)[0][:, 0].contiguous()
+        a = torch.autograd.grad(_loss_ops.finish(counts, None, **finish)[0], counts)[0][:, 0].float().contiguous()
     entropy_sum = torch.zeros((), dtype=torch.float32, device=ids.device)
     bonus_h = torch.zeros((), dtype=torch.float32, device=ids.device)
     scalars = finish["options"].kernel_scalars()
@@ -416,7 +416,7 @@ def _run(hidden, weight, bias, needs, *, ids, ids_shape, advantages, old_logps, 
                                                         bonus)  # fmt: skip
         loss, metrics = _loss_ops.finish(stats, None if adv_per_token else advantages, **finish)
         if report_entropy:
-            tokens = stats[:, 1].sum().clamp(min=1.0)
+            tokens = stats[:, 1].sum().clamp(min=1.0).float()
             metrics["entropy"] = entropy_sum / tokens
     if bonus is not None:
         loss = loss - bonus[0] * bonus_h

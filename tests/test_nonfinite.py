@@ -179,6 +179,42 @@ def test_bf16_logps_nan_propagates_and_clipped_overflow_stays_finite(impl, trito
         assert torch.isfinite(loss) and bool(torch.isfinite(grad).all())
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_finite_mean_of_finite_terms_stays_finite(impl, triton_device, level):
+    """Log-ratios in [80, 88.7] at every token: each term (-w A up to 2.6e38) fits fp32 but a sequence's sum does
+    not. Every loss whose fp64 value fits fp32 (the per-sequence and per-token means) must be finite and match
+    the reference, with its gradient (GSPO's w_s sum_t dl/dw passes FLT_MAX too). Rows of 300 tokens: more than 8
+    terms per lane of the C++ AVX-512 blocks and many per Triton chunk."""
+    dev = device_for(impl, triton_device)
+    gen = torch.Generator().manual_seed(11)
+    x = make_batch(b=4, length=300, device=dev, empty_row=False)
+    x["mask"] = torch.ones_like(x["mask"])
+    x["old"] = x["logps"] - (80.0 + 8.7 * torch.rand(x["logps"].shape, generator=gen, dtype=torch.float64)).to(dev)
+    x["adv"] = torch.tensor([-1.0, 0.7, -0.4, -0.9], dtype=torch.float64, device=dev)
+    for loss_type in LOSS_TYPES:
+        kw = dict(loss_type=loss_type, importance_sampling_level=level)
+        e_loss = oracle(x, **kw)[0]
+        loss, grad = check_all(impl, x, **kw)
+        if e_loss.abs() < 3.4e38:
+            assert torch.isfinite(loss) and bool(torch.isfinite(grad).all()), (loss_type, loss)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_the_reported_overflow_case(impl, triton_device):
+    """grpo_loss(lp = -ones(2, 4), old = lp - 88, adv = [1, -1]): 8.26e37 in fp64 (was inf in C++ and Triton);
+    at sequence level its gradient (2.06e37 in fp64) was inf."""
+    dev = device_for(impl, triton_device)
+    lp = -torch.ones(2, 4, dtype=torch.float64)
+    x = dict(logps=lp, old=lp - 88.0, ref=lp, sampler=lp, mask=torch.ones_like(lp),
+             adv=torch.tensor([1.0, -1.0], dtype=torch.float64))  # fmt: skip
+    x = {k: v.to(dev) for k, v in x.items()}
+    for level in ("token", "sequence"):
+        loss, grad = check_all(impl, x, loss_type="grpo", importance_sampling_level=level)
+        assert torch.isfinite(loss) and bool(torch.isfinite(grad).all()), (level, loss, grad)
+        assert abs(loss.item() / 8.26e37 - 1) < 1e-2
+
+
 # ------------------------------------------------------------------------------------------------ fused linear
 @pytest.mark.parametrize("impl,level", [("cpp", "token"), ("cpp", "sequence"), ("triton", "token")])
 def test_fused_linear_overflowing_clipped_token_keeps_weight_gradient_finite(triton_device, impl, level):

@@ -17,12 +17,14 @@ which are added in a fixed order afterwards: the forward is deterministic, with 
              sequence (the normalizer, from autograd on the [B] sums) and, for GSPO, b_s = a_s w_s S_s / n_s
              with S_s = sum_t m dl/dw_s.
 
-The op returns stats [B, NUM_STATS] (per sequence: the columns named in STATS) and coef [T]; `finish` turns stats
+The op returns stats [B, NUM_STATS] fp64 (per sequence: the columns named in STATS) and coef [T]; `finish` turns stats
 into the loss with TRL's normalizer (luspo: the family-0 kernel, its own normalizer) and into the metrics.
 `grpo_loss_fwd` (the op's inputs, the scalars as options.KernelScalars) is the one way in, for the public function,
 the fused LM head and torch.compile. Hyperparameters (epsilons, delta, beta, the sampler cap, the SAPO temperatures,
-VESPO's k and lambda) are runtime arguments; the constexprs are the loss family and which inputs exist. Everything
-is computed in fp32.
+VESPO's k and lambda) are runtime arguments; the constexprs are the loss family and which inputs exist. Per token
+everything is computed in fp32; the value sums (loss, dl/dw, ratio, KL, sampler diff) are accumulated in fp64 and the
+stats are fp64, so a finite mean of finite terms stays finite (a sequence of ratios near e^88 sums past FLT_MAX);
+`finish` returns fp32.
 
 Non-finite values (the behaviour grpo_kernels.grpo_loss documents). A NaN in logp, old, the advantage or (KL on)
 ref of a token with m != 0 makes its loss term and its coef NaN (min / clamp propagate NaN, as torch's do; at
@@ -162,15 +164,17 @@ def _grpo_loss_fwd_kernel(
         seq_adv = tl.load(adv_ptr + seq)
     if HAS_KL:
         log_beta = tl.log(beta)
-    acc_loss = tl.zeros((BLOCK,), dtype=tl.float32)
+    # The value sums (loss, dl/dw, ratio, KL, sampler diff) in fp64: a chunk's sum of finite fp32 terms may pass
+    # FLT_MAX where the mean the loss takes of it does not. The counts stay fp32 (exact to 2^24 per chunk).
+    acc_loss = tl.zeros((BLOCK,), dtype=tl.float64)
     acc_n = tl.zeros((BLOCK,), dtype=tl.float32)
-    acc_dw = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_dw = tl.zeros((BLOCK,), dtype=tl.float64)
     acc_low = tl.zeros((BLOCK,), dtype=tl.float32)
     acc_high = tl.zeros((BLOCK,), dtype=tl.float32)
     acc_region = tl.zeros((BLOCK,), dtype=tl.float32)
-    acc_ratio = tl.zeros((BLOCK,), dtype=tl.float32)
-    acc_kl = tl.zeros((BLOCK,), dtype=tl.float32)
-    acc_diff = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_ratio = tl.zeros((BLOCK,), dtype=tl.float64)
+    acc_kl = tl.zeros((BLOCK,), dtype=tl.float64)
+    acc_diff = tl.zeros((BLOCK,), dtype=tl.float64)
     for i in range(0, CHUNK, BLOCK):
         offs = chunk_start + i + tl.arange(0, BLOCK)
         inb = offs < end
@@ -231,7 +235,7 @@ def _grpo_loss_fwd_kernel(
                 dpol_dw = dpol_dw * r
                 direct = direct * r
             diff = tl.abs(lp - sampler)
-            acc_diff += tl.where(on & (diff == diff), m * tl.minimum(diff, FLT_MAX), 0.0)  # nan_to_num
+            acc_diff += tl.where(on & (diff == diff), m * tl.minimum(diff, FLT_MAX), 0.0).to(tl.float64)  # nan_to_num
         if HAS_KL:  # beta k3 k, k3 = exp(ref - logp) - (ref - logp) - 1, k = w with the bias correction, else 1
             dr = tl.load(ref_ptr + offs, mask=inb, other=0.0) - lp
             # beta exp(dr) and beta exp(dr) w as single exps: finite wherever the products are, even when
@@ -251,17 +255,17 @@ def _grpo_loss_fwd_kernel(
                 kl_term = be - beta * (dr + 1.0)
                 direct = direct + (beta - be)
             pol = pol + kl_term
-            acc_kl += tl.where(on, m * (kl_term / beta), 0.0)
+            acc_kl += tl.where(on, m * (kl_term / beta), 0.0).to(tl.float64)
         if SEQ_LEVEL:
             coef = m * direct
-            acc_dw += tl.where(on, m * dpol_dw, 0.0)
+            acc_dw += tl.where(on, m * dpol_dw, 0.0).to(tl.float64)
         else:
             coef = m * (_times_w(dpol_dw, w) + direct)
         if LOSS != 3:  # a NaN loss term has a NaN gradient (vespo's -phi A is its gradient even for a NaN logp)
             coef = tl.where(pol != pol, pol, coef)
         coef = tl.where(on, coef, 0.0)
         tl.store(coef_ptr + offs, coef, mask=inb)
-        acc_loss += tl.where(on, m * pol, 0.0)
+        acc_loss += tl.where(on, m * pol, 0.0).to(tl.float64)
         acc_n += m
         if LOSS == 3:
             acc_low += tl.where(on, m * phi, 0.0)
@@ -269,14 +273,14 @@ def _grpo_loss_fwd_kernel(
             acc_low += tl.where(on & low, m, 0.0)
             acc_high += tl.where(on & high, m, 0.0)
             acc_region += tl.where(on & (low | high), m, 0.0)
-        acc_ratio += tl.where(on, m * w, 0.0)
-    out = partial_ptr + pid * 9
+        acc_ratio += tl.where(on, m * w, 0.0).to(tl.float64)
+    out = partial_ptr + pid * 9  # fp64
     tl.store(out, tl.sum(acc_loss, axis=0))
-    tl.store(out + 1, tl.sum(acc_n, axis=0))
+    tl.store(out + 1, tl.sum(acc_n, axis=0).to(tl.float64))
     tl.store(out + 2, tl.sum(acc_dw, axis=0))
-    tl.store(out + 3, tl.sum(acc_low, axis=0))
-    tl.store(out + 4, tl.sum(acc_high, axis=0))
-    tl.store(out + 5, tl.sum(acc_region, axis=0))
+    tl.store(out + 3, tl.sum(acc_low, axis=0).to(tl.float64))
+    tl.store(out + 4, tl.sum(acc_high, axis=0).to(tl.float64))
+    tl.store(out + 5, tl.sum(acc_region, axis=0).to(tl.float64))
     tl.store(out + 6, tl.sum(acc_ratio, axis=0))
     tl.store(out + 7, tl.sum(acc_kl, axis=0))
     tl.store(out + 8, tl.sum(acc_diff, axis=0))
@@ -342,7 +346,7 @@ def grpo_loss_fwd_triton(
     eps_low, eps_high, delta, beta, bias_kl, sampler_cap, tau_pos, tau_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
     vespo_lambda_neg,
 ):  # fmt: skip
-    """Flat [T] inputs -> (stats [B, NUM_STATS] f32, coef [T] f32). See the module docstring."""
+    """Flat [T] inputs -> (stats [B, NUM_STATS] f64, coef [T] f32). See the module docstring."""
     require_triton_device(_grpo_loss_fwd_kernel, logps)
     dev, f32 = logps.device, torch.float32
     b, t = cu_seqlens.shape[0] - 1, logps.shape[0]
@@ -372,7 +376,7 @@ def grpo_loss_fwd_triton(
             seq_phi = vespo_weights(sums[:, 3] + sums[:, 4], vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
                                     vespo_lambda_neg)  # fmt: skip
     coef = torch.empty(t, dtype=f32, device=dev)
-    part = torch.empty(b, chunks, NUM_KERNEL_STATS, dtype=f32, device=dev)
+    part = torch.empty(b, chunks, NUM_KERNEL_STATS, dtype=torch.float64, device=dev)
     if b:
         _grpo_loss_fwd_kernel[grid](
             logps, dummy if old is None else old, dummy if ref is None else ref, dummy if sampler is None else sampler,
@@ -383,7 +387,7 @@ def grpo_loss_fwd_triton(
             **flags, BLOCK=BLOCK, CHUNK=CHUNK, num_warps=NUM_WARPS,
         )  # fmt: skip
     phi_col = per_sequence_phi(seq_phi, adv, adv_per_token) if vespo else torch.zeros_like(seq_logw)
-    return torch.cat([part.sum(1), seq_logw[:, None], phi_col[:, None]], dim=1), coef
+    return torch.cat([part.sum(1), seq_logw[:, None].double(), phi_col[:, None].double()], dim=1), coef
 
 
 def grpo_loss_bwd_triton(a, b_coef, coef, mask, cu_seqlens, max_seqlen, seq_level, out_dtype):
@@ -429,10 +433,9 @@ def grpo_loss_fwd_op(
     vespo_lambda_neg: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat inputs (logps [T] f32/bf16/f16; the others f32 contiguous; advantages [B], or [T] with adv_per_token;
-    cu_seqlens int64
-    [B + 1]) -> (stats [B, NUM_STATS], coef [T]). `delta` is +inf for no two-sided clamp; `sampler_mode` indexes
-    SAMPLER_MODES (ignored without sampler_logps); `ref_logps` is given exactly when the KL term is on; the VESPO
-    lambdas are floored (at 1e-4) already."""
+    cu_seqlens int64 [B + 1]) -> (stats [B, NUM_STATS] fp64, coef [T] fp32). `delta` is +inf for no two-sided clamp;
+    `sampler_mode` indexes SAMPLER_MODES (ignored without sampler_logps); `ref_logps` is given exactly when the KL
+    term is on; the VESPO lambdas are floored (at 1e-4) already."""
     return grpo_loss_fwd_triton(
         logps, old_logps, ref_logps, sampler_logps, advantages, adv_per_token, mask, cu_seqlens, max_seqlen,
         loss_family, seq_level, sampler_mode, eps_low, eps_high, delta, beta, bias_kl, sampler_cap, tau_pos, tau_neg,
@@ -457,7 +460,7 @@ def _grpo_loss_fwd_cpu(
 @grpo_loss_fwd_op.register_fake
 def _grpo_loss_fwd_fake(logps, old_logps, ref_logps, sampler_logps, advantages, adv_per_token, mask, cu_seqlens, *_):
     b = cu_seqlens.shape[0] - 1
-    return logps.new_empty(b, NUM_STATS, dtype=torch.float32), logps.new_empty(logps.shape[0], dtype=torch.float32)
+    return logps.new_empty(b, NUM_STATS, dtype=torch.float64), logps.new_empty(logps.shape[0], dtype=torch.float32)
 
 
 @torch.library.custom_op("grpo_kernels::grpo_loss_bwd", mutates_args=(), device_types="cuda")
@@ -508,8 +511,8 @@ def _per_sequence_factors(ctx, grad_stats):
     if ctx.seq_level:
         col = {name: stats[:, i] for i, name in enumerate(STATS)}
         w_s = torch.exp(col["log_w"])  # S_s = 0 gives b_s = 0 also for w_s = inf (see _times_w)
-        w_dl_dw = torch.where(col["dl_dw"] == 0, 0.0, w_s * col["dl_dw"])
-        b = (a * w_dl_dw / col["count"].clamp(min=1.0)).contiguous()
+        w_dl_dw = torch.where(col["dl_dw"] == 0, 0.0, w_s * col["dl_dw"])  # fp64: w_s S_s may pass FLT_MAX
+        b = (a * w_dl_dw / col["count"].clamp(min=1.0)).float().contiguous()
     else:
         b = a
     return a, b, coef, mask, cu_seqlens
@@ -567,7 +570,7 @@ def grpo_loss_fwd(backend, logps, old_logps, ref_logps, sampler_logps, advantage
 
 
 def finish(stats, advantages_per_seq, options: LossOptions, *, sampler: bool, cu_seqlens, num_items_in_batch):
-    """stats [B, NUM_STATS] -> (loss with TRL's normalizer, metrics dict of 0-d tensors). Few, small ops.
+    """stats [B, NUM_STATS] fp64 -> (loss with TRL's normalizer, metrics dict of fp32 0-d tensors). Few, small ops.
 
     advantages_per_seq: the advantages [B] when given per sequence (None when per token); sampler: sampler_logps
     were given. dr_grpo's constant without max_completion_length is the longest sequence, taken from cu_seqlens on
@@ -608,4 +611,4 @@ def finish(stats, advantages_per_seq, options: LossOptions, *, sampler: bool, cu
                 low, high, region = torch.cat([flags, flags.any(0, keepdim=True)]).float().mean(1).unbind()
     values = [low, ratio] if loss_type in ("cispo", "vespo") else [low, high, region, ratio]
     values += [kl] * (options.beta != 0.0) + [sampler_diff] * sampler
-    return loss, dict(zip(options.metric_names(sampler=sampler), values, strict=True))
+    return loss.float(), {k: v.float() for k, v in zip(options.metric_names(sampler=sampler), values, strict=True)}

@@ -1,6 +1,7 @@
 """Built-in tasks, rewards, the character tokenizer, the JSONL loader and the tiny decoder."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -85,6 +86,38 @@ def test_jsonl_accepts_trl_conversational_prompts(tmp_path):
             load_jsonl(path)
     with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
         CharTokenizer().encode_prompt(tuple(messages))
+
+
+@pytest.mark.parametrize(
+    "answer,shown",
+    [("null", "null"), ("[4]", "[4]"), ('{"x": 1}', '{"x": 1}'), ("true", "true"), ("NaN", "NaN"),
+     ("Infinity", "Infinity"), ("-Infinity", "-Infinity")],
+)  # fmt: skip
+def test_jsonl_answers_that_are_not_text_or_a_finite_number_are_refused(tmp_path, answer, shown):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "p", "answer": "1"}\n' + '{"prompt": "q", "answer": ' + answer + "}\n")
+    with pytest.raises(ValueError, match=r"data\.jsonl:2: \"answer\" must be a string or a finite number, got "
+                                         + re.escape(shown) + "$"):  # fmt: skip
+        load_jsonl(path)
+    path.write_text('{"prompt": "p", "answer": 4}\n{"prompt": "p", "answer": 0.5}\n{"prompt": "p", "answer": ""}\n')
+    assert [e.answer for e in load_jsonl(path)] == ["4", "0.5", ""]
+
+
+@pytest.mark.parametrize("role", ["robot", "", "User", "tool"])
+def test_jsonl_chat_roles_outside_system_user_assistant_are_refused(tmp_path, role):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": role, "content": "1+1?"}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"prompt": messages, "answer": 2}) + "\n")
+    with pytest.raises(ValueError, match=r"chat\.jsonl:1: \"prompt\" message 1 has role " + re.escape(json.dumps(role))
+                                         + "; a role is one of system, user, assistant"):  # fmt: skip
+        load_jsonl(path)
+
+
+def test_jsonl_deeply_nested_line_is_one_error_not_a_recursion_traceback(tmp_path):
+    path = tmp_path / "deep.jsonl"
+    path.write_text('{"prompt": "p", "answer": "1"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ValueError, match=r"deep\.jsonl:2: not JSON this reader accepts \(nested too deeply\)"):
+        load_jsonl(path)
     assert CharTokenizer().encode_prompt("1+1=") == CharTokenizer().encode("1+1=", bos=True)
 
 

@@ -12,6 +12,7 @@ Everything is deterministic given a seed (`random.Random`), so a resumed run see
 """
 
 import json
+import math
 import random
 import re
 import string
@@ -237,13 +238,36 @@ def load_jsonl(path) -> list[Example]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from exc
+        except RecursionError:
+            raise ValueError(f"{path}:{number}: not JSON this reader accepts (nested too deeply)") from None
         missing = [k for k in ("prompt", "answer") if not isinstance(row, dict) or k not in row]
         if missing:
             raise ValueError(f"{path}:{number}: missing key(s) {missing}")
-        out.append(Example(prompt=_prompt(row["prompt"], f"{path}:{number}"), answer=str(row["answer"])))
+        where = f"{path}:{number}"
+        out.append(Example(prompt=_prompt(row["prompt"], where), answer=_answer(row["answer"], where)))
     if not out:
         raise ValueError(f"{path}: no examples")
     return out
+
+
+def _answer(value, where: str) -> str:
+    """A JSONL answer: a string, or a finite number (kept as its JSON text: 4 -> "4", 0.5 -> "0.5")."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return str(value)
+    raise ValueError(f'{where}: "answer" must be a string or a finite number, got {_shown(value)}')
+
+
+def _shown(value) -> str:
+    """A JSON value as an error message shows it (NaN and infinities as JSON's readers write them)."""
+    try:
+        return json.dumps(value)[:80]
+    except (ValueError, RecursionError):
+        return repr(value)[:80]
+
+
+CHAT_ROLES = ("system", "user", "assistant")
 
 
 def _prompt(value, where: str):
@@ -254,9 +278,13 @@ def _prompt(value, where: str):
         isinstance(m, dict) and set(m) == {"role", "content"} and all(isinstance(v, str) for v in m.values())
         for m in value
     ):
+        for i, m in enumerate(value):
+            if m["role"] not in CHAT_ROLES:
+                raise ValueError(f'{where}: "prompt" message {i} has role {json.dumps(m["role"])}; a role is one of '
+                                 f"{', '.join(CHAT_ROLES)}")  # fmt: skip
         return tuple({"role": m["role"], "content": m["content"]} for m in value)
     raise ValueError(f'{where}: "prompt" must be a string or a non-empty list of {{"role": str, "content": str}} '
-                     f"messages, got {json.dumps(value)[:80]}")  # fmt: skip
+                     f"messages, got {_shown(value)}")  # fmt: skip
 
 
 def tiny_model(vocab_size: int, *, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,

@@ -12,16 +12,21 @@ takes the state dict and saves as a plain fp32 checkpoint (517 MB), which every 
 
 Safety: the GGUF is checked against its known size and sha256 first (a truncated or corrupt file is one error line),
 the directory is written under a temporary name beside the target and renamed when complete, and the completed
-directory holds a marker file: a killed conversion never leaves a directory that a later run would load (the next
-prepare deletes what it left). Errors are ValueErrors of one line naming the cause (a missing package and how to
-install it, the damaged file, the cache that cannot be written, a transformers that cannot read the file); the cache
-is $GRPO_KERNELS_CACHE, else $XDG_CACHE_HOME/grpo-kernels, else ~/.cache/grpo-kernels.
+directory holds a marker file with the size and sha256 of every file converted: a killed conversion never leaves a
+directory that a later run would load (the next prepare deletes what it left), and a prepared directory is checked
+against its marker on every use (a full hash only when a file's size, mtime, ctime or inode changed since the last
+check, which the directory remembers where it may write): one that was truncated, edited or damaged (weights,
+config, tokenizer), or whose marker is unreadable, is converted again, with a line on stderr that says why.
+Errors are ValueErrors of one line naming the cause (a missing package and how to install it, the damaged file, the
+cache that cannot be written, a transformers that cannot read the file); the cache is $GRPO_KERNELS_CACHE, else
+$XDG_CACHE_HOME/grpo-kernels, else ~/.cache/grpo-kernels.
 """
 
 import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from importlib.util import find_spec
@@ -30,6 +35,7 @@ from pathlib import Path
 __all__ = ["KNOWN_MODELS", "cache_root", "prepare_model", "prepared_dir", "resolve_model"]
 
 MARKER = "grpo_kernels_model.json"
+VERIFIED = ".grpo_kernels_verified.json"  # the stat of each file at its last full hash (a cache, not a proof)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +93,14 @@ def prepare_model(name: str, *, out=None, progress: bool | None = None) -> Path:
     spec = _known(name)
     target = prepared_dir(name, out)
     if (target / MARKER).is_file():
-        return target
+        damage = _damage(target, name)
+        if damage is None:
+            return target
+        print(f"grpo-kernels: {target} is damaged ({damage}); converting {name} again", file=sys.stderr, flush=True)
+        try:
+            shutil.rmtree(target)
+        except OSError as exc:
+            raise ValueError(f"{target} is damaged ({damage}) and cannot be removed: {exc.strerror or exc}") from exc
     if target.exists():
         raise ValueError(f"{target} exists but is not a prepared {name} (no {MARKER}): remove it or choose --out")
     gguf = _locate(name, spec)
@@ -102,6 +115,7 @@ def prepare_model(name: str, *, out=None, progress: bool | None = None) -> Path:
                          "or pass --out)") from exc  # fmt: skip
     try:
         _convert(gguf, partial, name=name, spec=spec, progress=progress)
+        _write_marker(partial, name=name, spec=spec)
         partial.chmod(0o777 & ~_umask())  # mkdtemp made it 0o700
         try:
             os.rename(partial, target)
@@ -175,7 +189,6 @@ def _check_file(path: Path, spec: KnownModel) -> None:
 def _convert(gguf: Path, directory: Path, *, name: str, spec: KnownModel, progress: bool | None) -> None:
     """Dequantize the GGUF with transformers and save model, tokenizer and generation config to `directory`."""
     import torch
-    import transformers
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -201,13 +214,71 @@ def _convert(gguf: Path, directory: Path, *, name: str, spec: KnownModel, progre
         bar.set_postfix_str(stages[3])
         model.save_pretrained(directory)
         tokenizer.save_pretrained(directory)
-        (directory / MARKER).write_text(json.dumps({
-            "name": name, "source": f"{spec.package}/{spec.filename}", "sha256": spec.sha256,
-            "transformers": transformers.__version__,
-        }, indent=1))  # fmt: skip
         bar.update(1)
     finally:
         bar.close()
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_marker(directory: Path, *, name: str, spec: KnownModel) -> None:
+    """The marker: what was converted, from what, and the size and sha256 of every file written."""
+    import transformers
+
+    files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(directory.iterdir())
+             if p.is_file() and p.name not in (MARKER, VERIFIED)}  # fmt: skip
+    (directory / MARKER).write_text(json.dumps({
+        "name": name, "source": f"{spec.package}/{spec.filename}", "sha256": spec.sha256,
+        "transformers": transformers.__version__, "files": files,
+    }, indent=1))  # fmt: skip
+    (directory / VERIFIED).write_text(json.dumps({f: _stamp(directory / f) for f in files}))
+
+
+def _stamp(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def _damage(target: Path, name: str) -> str | None:
+    """None when every file the marker lists is there with its recorded size and sha256; else what is wrong."""
+    try:
+        marker = json.loads((target / MARKER).read_text(encoding="utf-8"))
+        files = marker["files"]
+        ok = marker["name"] == name and isinstance(files, dict) and files and all(
+            isinstance(f, str) and isinstance(v, dict) and isinstance(v.get("size"), int)
+            and isinstance(v.get("sha256"), str) for f, v in files.items())  # fmt: skip
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        return f"{MARKER} is unreadable or lists no files"
+    if "config.json" not in files or not any(f.endswith(".safetensors") for f in files):
+        return f"{MARKER} lists no config.json or weights"
+    try:
+        verified = json.loads((target / VERIFIED).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        verified = {}
+    stamps = {}
+    for file, want in files.items():
+        path = target / file
+        if not path.is_file():
+            return f"{file} is missing"
+        if path.stat().st_size != want["size"]:
+            return f"{file} has {path.stat().st_size} bytes, {want['size']} were written"
+        stamps[file] = _stamp(path)
+        if verified.get(file) != stamps[file] and _sha256(path) != want["sha256"]:
+            return f"{file} is not the file written (sha256 differs)"
+    if stamps != verified:
+        try:  # best effort: a read-only cache is hashed on every use
+            (target / VERIFIED).write_text(json.dumps(stamps))
+        except OSError:
+            pass
+    return None
 
 
 def _umask() -> int:

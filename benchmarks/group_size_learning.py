@@ -111,18 +111,20 @@ def curves_of(run: Path, setting: str, seed: int, gpu: dict) -> list[dict]:
     """One row per evaluation of a finished run (and one for the start: nothing sampled yet)."""
     summary, evals, steps = (json.loads((run / "summary.json").read_text()), _jsonl(run / "eval.jsonl"),
                              _jsonl(run / "metrics.jsonl"))  # fmt: skip
-    by_step = {m["step"]: m for m in steps}
+    by_step = {m["step"]: m for m in steps if not m.get("no_update")}
+    skipped = {m["step"]: m for m in steps if m.get("no_update")}  # every group invalid: a line without lengths
     rows = [{"setting": setting, "seed": seed, "step": -1, "group_size": "", "completions": 0, "sampled_tokens": 0,
              "trained_tokens": 0, "decode_steps": 0, "generate_s": 0.0, "train_s": 0.0, "sync_s": 0.0, "wall_s": 0.0,
              "model_gpu_s": 0.0, "eval_success": summary["eval_success_start"],
              "eval_success_se": summary["eval_success_se_start"]}]  # fmt: skip
     for e in evals:
-        done = [by_step[s] for s in range(e["step"] + 1) if s in by_step]  # steps without an update have no line
+        done = [by_step[s] for s in range(e["step"] + 1) if s in by_step]
         trained = sum(m["completion_tokens"] for m in done)
         # decode steps: the longest trained completion per sampling round (dynamic sampling's extra rounds too);
-        # a step without an update (every group invalid) logs no lengths: max_new_tokens, the bound
+        # a step without an update (every group invalid) logs no lengths: max_new_tokens per round, the bound
         decode = sum(m["completion_length_max"] * (1 + m["resample_rounds"]) for m in done)
-        decode += (e["step"] + 1 - len(done)) * gpu["max_new_tokens"]
+        decode += sum(gpu["max_new_tokens"] * (1 + (skipped[s]["resample_rounds"] if s in skipped else 0))
+                      for s in range(e["step"] + 1) if s not in by_step)  # fmt: skip
         model = (trained / gpu["train_tokens_per_s"] + decode * gpu["decode_step_s"]
                  + e["sampled_tokens"] / gpu["sample_tokens_per_s"])  # fmt: skip
         rows.append({"setting": setting, "seed": seed, "step": e["step"], "group_size": done[-1]["group_size"] if done

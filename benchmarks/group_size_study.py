@@ -158,6 +158,7 @@ def run_one(label: str, overrides: dict, run_dir: Path, *, sft_cache: dict) -> d
             mock.patch.object(trainer, "sft_warmup", _cached_sft(trainer.sft_warmup, sft_cache)):  # fmt: skip
         summary = trainer.train(config, log=lambda *a, **k: None)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if not r.get("no_update")]
     return {"label": label, "rows": rows, "groups": groups, "summary": summary,
             "prompts_per_step": config.sampling.prompts_per_step}  # fmt: skip
 

@@ -40,13 +40,13 @@ def selective_logprobs(
     check_logprobs_args(logits, ids, temperature, cu_seqlens, impl, flags)
     shape = ids.shape
     flat = logits.reshape(-1, logits.shape[-1])
-    shared_rows = flat.shape[0] > 1 and flat.stride(0) < flat.shape[1]  # e.g. an expand(): rows overlap
-    if inplace_backward and shared_rows:
-        raise ValueError(f"inplace_backward=True writes d logits over the logits, whose rows share memory here "
-                         f"(row stride {flat.stride(0)} < V={flat.shape[1]}, e.g. an expand()): pass contiguous "
-                         "logits or inplace_backward=False")  # fmt: skip
-    if flat.shape[0] and (flat.stride(-1) != 1 or shared_rows):
-        flat = flat.contiguous()
+    shared = _overlapping(flat)  # e.g. an expand(): elements share memory (a transpose does not)
+    if inplace_backward and shared:
+        raise ValueError(f"inplace_backward=True writes d logits over the logits, whose elements share memory here "
+                         f"(strides {tuple(flat.stride())} for [T, V] = {list(flat.shape)}, e.g. an expand()): pass "
+                         "contiguous logits or inplace_backward=False")  # fmt: skip
+    if flat.shape[0] and (flat.stride(-1) != 1 or shared):
+        flat = flat.contiguous()  # (inplace_backward then writes over this copy: correct, but nothing is saved)
     flat_ids = ids.reshape(-1).to(torch.int64).contiguous()
     temperature = float(temperature)
     if impl == "reference":
@@ -57,3 +57,14 @@ def selective_logprobs(
     if return_entropy:
         return logps.reshape(shape), entropy.reshape(shape)
     return logps.reshape(shape)
+
+
+def _overlapping(x: torch.Tensor) -> bool:
+    """Whether two elements of the 2-D view x share memory (strides sorted ascending must each pass the extent of
+    the dimensions below them)."""
+    extent = 0
+    for stride, size in sorted((st, n) for st, n in zip(x.stride(), x.shape, strict=True) if n > 1):
+        if stride <= extent:
+            return True
+        extent += stride * (size - 1)
+    return False

@@ -98,7 +98,11 @@ def _as_ids(x, what: str, i: int) -> torch.Tensor:
     if t.dim() != 1 or (t.numel() and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)):
         raise ValueError(f"{what}[{i}] must be a 1-D sequence of integer token ids, got shape {tuple(t.shape)} "
                          f"{t.dtype}")  # fmt: skip
-    return t.to(torch.int64).cpu()
+    t = t.to(torch.int64).cpu()
+    if t.numel() and int(t.min()) < 0:
+        j = int((t < 0).nonzero()[0])
+        raise ValueError(f"{what}[{i}][{j}] is {int(t[j])}: token ids are >= 0")
+    return t
 
 
 def _group_id(g, i: int) -> int:

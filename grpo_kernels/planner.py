@@ -103,6 +103,12 @@ def plan_micro_batches(
         raise ValueError(f"lengths must be >= 0, got {int(lengths.min())} at index {int(lengths.argmin())}")
     token_budget = _positive_int(token_budget, "token_budget")
     num_ranks = _positive_int(num_ranks, "num_ranks")
+    # The planner sums weights in int64 (loads, load + budget, twice a weight): refuse what it cannot add exactly.
+    fast = lengths.size == 0 or int(lengths.max()) * lengths.size <= MAX_TOTAL_TOKENS
+    total = 0 if lengths.size == 0 else (int(lengths.sum()) if fast else sum(lengths.tolist()))
+    if total + token_budget > MAX_TOTAL_TOKENS:
+        raise ValueError(f"sum(lengths) + token_budget = {total + token_budget} is past what can be planned "
+                         f"(2^62 = {MAX_TOTAL_TOKENS} tokens)")  # fmt: skip
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {', '.join(map(repr, ALGORITHMS))}, got {algorithm!r}")
     if impl not in IMPLS:
@@ -153,6 +159,9 @@ def plan_micro_batches(
     total = sum(rank_loads)
     imbalance = max(rank_loads) * num_ranks / total if total else 1.0
     return Plan(micro_batches=batches, rank_loads=rank_loads, micro_batch_loads=mb_loads, imbalance=imbalance)
+
+
+MAX_TOTAL_TOKENS = 2**62
 
 
 def _int_vector(x, name: str) -> np.ndarray:

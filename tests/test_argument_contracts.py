@@ -89,6 +89,18 @@ def test_pack_sequences_refuses_non_integer_group_ids(ids):
     assert ok.cu_seqlens.tolist() == [0, 3]
 
 
+@pytest.mark.parametrize("which", ["prompts", "completions"])
+def test_pack_sequences_refuses_negative_token_ids(which):
+    good = dict(prompts=[[1, 2], [3]], completions=[[4], [5, 6]])
+    bad = dict(good, **{which: [[1, 2], [3, -7]] if which == "prompts" else [[4], [5, -1]]})
+    with pytest.raises(ValueError, match=rf"{which}\[1\]\[1\] is -\d: token ids are >= 0"):
+        pack_sequences(bad["prompts"], bad["completions"])
+    with pytest.raises(ValueError, match="token ids are >= 0"):
+        pack_sequences([torch.tensor([1, 2])] * 2, [torch.tensor([-3]), torch.tensor([4])], shared_prefix=True,
+                       group_ids=[0, 0])  # fmt: skip
+    assert pack_sequences(good["prompts"], good["completions"]).input_ids.numel() == 6
+
+
 @pytest.mark.parametrize("impl", ["cpp", "triton"])
 def test_inplace_backward_on_rows_sharing_memory_is_refused(impl, triton_device):
     dev = triton_device if impl == "triton" else "cpu"
@@ -103,6 +115,22 @@ def test_inplace_backward_on_rows_sharing_memory_is_refused(impl, triton_device)
         want[0, i] += 1.0
     want -= 4 * torch.softmax(row.detach(), -1)
     assert_close(grad, want, name="d row through expand")
+
+
+@pytest.mark.parametrize("impl", ["cpp", "triton"])
+def test_inplace_backward_on_a_transposed_tensor_is_accepted_and_exact(impl, triton_device):
+    """A transpose has no two elements at one address: inplace_backward writes over a contiguous copy (before: it
+    was refused as "rows share memory"). Same log-probs and gradient as without inplace_backward."""
+    dev = triton_device if impl == "triton" else "cpu"
+    base = torch.randn(7, 5, device=dev)
+    ids = torch.tensor([0, 3, 6, 3, 1], device=dev)
+    got = []
+    for inplace in (True, False):
+        x = base.clone().requires_grad_()
+        out = gk.selective_logprobs(x.t(), ids, inplace_backward=inplace, impl=impl)
+        got.append((out, *torch.autograd.grad((out * torch.arange(1.0, 6.0, device=dev)).sum(), x)))
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    assert_close(got[0][0], torch.log_softmax(base.t().double(), -1)[torch.arange(5), ids.cpu()], name="logps")
 
 
 def test_meta_tensors_raise_value_error_naming_the_device():

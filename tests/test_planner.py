@@ -188,3 +188,17 @@ def test_plan_is_frozen():
     plan = plan_micro_batches([1, 2], token_budget=2)
     with pytest.raises(AttributeError):
         plan.imbalance = 0.0
+
+
+@pytest.mark.parametrize("impl", ["cpp", "reference"])
+@pytest.mark.parametrize(
+    "lengths,budget",
+    [([2**61, 2**61], 1), ([1, 2, 3], 2**62), ([2**62 - 10, 5, 5], 1), ([2**40] * 2**22 + [1], 1),
+     ([2**63 - 1], 1)],
+)  # fmt: skip
+def test_budgets_and_lengths_past_int64_planning_are_refused(impl, lengths, budget):
+    """The C++ planner adds weights in int64: near 2^62 it overflowed (before: wrong plans, no error)."""
+    with pytest.raises(ValueError, match=r"sum\(lengths\) \+ token_budget = \d+ is past what can be planned"):
+        plan_micro_batches(np.array(lengths, dtype=np.int64), token_budget=budget, num_ranks=2, impl=impl)
+    ok = plan_micro_batches([2**60, 2**60, 5], token_budget=2**60, num_ranks=2, impl=impl)
+    assert sorted(i for rank in ok.micro_batches for mb in rank for i in mb) == [0, 1, 2]

@@ -145,3 +145,35 @@ def test_a_run_dir_that_cannot_be_a_directory_is_one_error_line(tmp_path, where)
     expected = "is a file, not a directory" if where == "a file" else f"cannot be created: {blocked} is a file"
     assert message.startswith("grpo-kernels train: error: logging.run_dir ") and expected in message, message
     assert "\n" not in message and (tmp_path / "file").read_text() == ""
+
+
+@pytest.mark.parametrize("run_dir", ["/proc/grpo-kernels-run", "/proc/grpo-kernels-a/b"])
+def test_a_run_dir_the_system_refuses_is_one_error_line_even_for_root(run_dir):
+    """/proc passes a permission check (as root) but refuses mkdir: one line at start-up (before: a traceback from
+    the first write, after the model was built)."""
+    with pytest.raises(SystemExit) as info:
+        main(["train", f"--logging.run_dir={run_dir}", "--optim.steps=1"])
+    message = str(info.value)
+    assert message.startswith(f"grpo-kernels train: error: logging.run_dir {run_dir} cannot be created or written: ")
+    assert "\n" not in message
+
+
+def test_a_missing_run_dir_is_probed_and_left_as_it_was(tmp_path, monkeypatch):
+    """The start-up probe creates the missing directories and removes them again (here the run then fails)."""
+    from grpo_kernels.train import trainer
+
+    probed, real = [], trainer._try_writing
+    monkeypatch.setattr(trainer, "_try_writing", lambda *a: probed.append(a[0]) or real(*a))
+    with pytest.raises(SystemExit, match="model path /nonexistent/m does not exist"):
+        main(["train", f"--logging.run_dir={tmp_path / 'a' / 'b'}", "--optim.steps=1", "--model.name=/nonexistent/m"])
+    assert probed == [tmp_path / "a" / "b"] and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="nccl is a valid choice with CUDA")
+def test_nccl_backend_without_cuda_is_refused_in_a_single_process_too(tmp_path):
+    """Without torchrun no backend is used, so distributed.backend = nccl on a CPU ran silently; it is an error."""
+    with pytest.raises(SystemExit) as info:
+        main(["train", f"--logging.run_dir={tmp_path / 'run'}", "--optim.steps=1", "--distributed.backend=nccl"])
+    message = "grpo-kernels train: error: distributed.backend = nccl needs CUDA; use gloo (or auto) on CPU"
+    assert str(info.value) == message
+    assert not (tmp_path / "run").exists()

@@ -143,3 +143,19 @@ def test_training_stops_at_the_target_success_and_a_resumed_run_replays_its_eval
     # the totals continue from the checkpoint's (tokens and counts exactly; seconds are the replay's own)
     assert [(e["completions_sampled"], e["sampled_tokens"]) for e in again] == [
         (e["completions_sampled"], e["sampled_tokens"]) for e in evals]  # fmt: skip
+
+
+def test_a_step_where_every_group_is_invalid_writes_a_metrics_line_that_says_so(tmp_path):
+    """Dynamic sampling on an untrained model: every sampled group scores 0, no update is made; each step still
+    writes its metrics line (before: none), marked no_update, with what was sampled."""
+    run = tmp_path / "run"
+    main(["train", f"--logging.run_dir={run}", "--optim.steps=2", "--group_size.dynamic_sampling=true",
+          "--group_size.max_resample_rounds=1", *EVAL_ARGS])  # fmt: skip
+    rows = _jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["no_update"] == 1 and r["invalid_group_rate"] == 1.0 and r["resample_rounds"] == 1, r
+        assert r["prompts_sampled"] == 4 and r["completions_sampled"] == 16 and r["sampled_tokens"] > 0
+        assert "loss" not in r and "reward" not in r
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["completions_sampled"] == 32

@@ -120,3 +120,25 @@ def test_policy_log_probs_are_the_models_own_for_transformed_heads(name):
         logits = model(input_ids=torch.cat([prompt, completion])[None]).logits[0, 4:-1]
     want = torch.log_softmax(logits.double() / 0.7, -1).gather(-1, completion[:, None])[:, 0]
     assert (got.double() - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_shared_prefix_batches_on_a_padded_attention_model_are_refused(setup, attn):
+    """HF's packed-sequence detection splits at position 0 only, so with sdpa / eager the completions of a shared
+    prompt attended to each other (log-probs off by ~7e-2, no error); the trainer refused the config, the
+    low-level functions now refuse the batch. Plain packing on the same model stays exact."""
+    tok, model, _, rollout = setup
+    other = tiny_model(tok.vocab_size, seed=3, attn_implementation=attn)
+    other.load_state_dict(model.state_dict())
+    shared = pack_sequences(rollout.prompt_ids, rollout.completion_ids, shared_prefix=True,
+                            group_ids=rollout.group_ids)  # fmt: skip
+    with pytest.raises(ValueError, match=rf"shared-prefix packed batch needs attn_implementation='grpo_varlen'; "
+                                         rf"this model runs '{attn}'"):  # fmt: skip
+        completion_logprobs(other, shared, temperature=1.0)
+    rewards = torch.tensor([float(i % 2) for i in range(len(rollout.completion_ids))])
+    with pytest.raises(ValueError, match="shared-prefix packed batch"):
+        grpo_step(other, torch.optim.SGD(other.parameters(), lr=0.0), rollout.with_rewards(rewards),
+                  loss_options=dict(loss_type="dapo"), temperature=1.0, token_budget=64, shared_prefix=True)  # fmt: skip
+    plain = pack_sequences(rollout.prompt_ids, rollout.completion_ids)
+    want = completion_logprobs(model, shared, temperature=1.0)
+    assert (completion_logprobs(other, plain, temperature=1.0) - want).abs().max() < 1e-4

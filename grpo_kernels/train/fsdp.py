@@ -79,6 +79,8 @@ def init_distributed(backend: str = "auto", *, sequence_parallel: int = 1) -> Di
     if isinstance(sequence_parallel, bool) or not isinstance(sequence_parallel, int) or sequence_parallel < 1:
         raise ValueError(f"sequence_parallel must be an int >= 1, got {sequence_parallel!r}")
     cuda = torch.cuda.is_available()
+    if backend == "nccl" and not cuda:  # also in a single process, where no backend is used: say so, not run
+        raise ValueError("distributed.backend = nccl needs CUDA; use gloo (or auto) on CPU")
     if "WORLD_SIZE" not in os.environ:
         if sequence_parallel != 1:
             raise ValueError(f"distributed.sequence_parallel = {sequence_parallel} needs torchrun with a world size "
@@ -86,8 +88,6 @@ def init_distributed(backend: str = "auto", *, sequence_parallel: int = 1) -> Di
         return Dist(device=torch.device("cuda" if cuda else "cpu"))
     if backend == "auto":
         backend = "nccl" if cuda else "gloo"
-    if backend == "nccl" and not cuda:
-        raise ValueError("distributed.backend = nccl needs CUDA; use gloo on CPU")
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)

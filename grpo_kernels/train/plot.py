@@ -31,8 +31,9 @@ def plot_run(run_dir) -> list[Path]:
     if not path.exists():
         raise ValueError(f"{run} has no metrics.jsonl (not a training run directory)")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if not r.get("no_update")]  # steps where every group was invalid: nothing to plot
     if not rows:
-        raise ValueError(f"{path} is empty")
+        raise ValueError(f"{path} has no step with an update")
     steps = [r["step"] for r in rows]
     group_size = (
         json.loads((run / "summary.json").read_text()).get("group_size") if (run / "summary.json").exists() else None

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from ..attention import HF_ATTENTION_NAME
 from ..fused_linear import fused_linear_grpo_loss, fused_linear_logprobs
 from ..integrations.hf import check_plain_head, logit_multiplier, logit_softcap
 from ..loss import grpo_loss
@@ -69,6 +70,12 @@ class Policy(torch.nn.Module):
 
 def _run(policy, packed, advantages=None, *, dist: Dist = SINGLE, **options):
     """The policy on a packed micro-batch: whole, or this rank's shard of it under sequence parallelism."""
+    if packed.prefix_groups is not None:
+        attn = getattr(policy.model.config, "_attn_implementation", None)
+        if attn != HF_ATTENTION_NAME:  # HF's own packing detection splits at position 0 only: groups would mix
+            raise ValueError(f"a shared-prefix packed batch needs attn_implementation={HF_ATTENTION_NAME!r}; this "
+                             f"model runs {attn!r}, whose completions of a group would attend to each other (pack "
+                             "with shared_prefix=False, or load the model with grpo_varlen)")  # fmt: skip
     if dist.sp > 1:
         shard = shard_packed(packed, group=dist.sp_group)
         return policy(shard.model_kwargs(), shard.logit_rows, shard.completion_ids, advantages, **options)

@@ -17,6 +17,7 @@ one is an error naming the file, with `checkpoint.resume_step` as the explicit f
 with the run's (a field that changes the run is an error unless `checkpoint.allow_config_change`).
 """
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -199,18 +200,45 @@ def _sampler(config: TrainConfig, model, tok, d: Dist):
                            dtype=dtype, external_launcher=d.distributed)  # fmt: skip
 
 
-def _check_run_dir(run_dir: Path, option: str) -> None:
-    """ValueError (one line naming the option) when run_dir is a file, lies under a file, or cannot be created or
-    written; writes nothing."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ValueError(f"{option} {run_dir} is a file, not a directory")
-    existing = run_dir
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ValueError(f"{option} {run_dir} cannot be created: {existing} is a file")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"{option} {run_dir} cannot be written: no write permission on {existing}")
+def _check_run_dir(run_dir: Path, option: str, d: Dist) -> None:
+    """ValueError (one line naming the option, on every rank) when run_dir is a file, lies under a file, or cannot
+    be created or written; leaves nothing behind. Rank 0 tries: it creates the missing directories and a temporary
+    file, then removes them (a permission check alone passes for root, and /proc or a read-only mount refuse
+    anyway)."""
+    problem = None
+    if d.is_main:
+        if run_dir.exists() and not run_dir.is_dir():
+            problem = f"{option} {run_dir} is a file, not a directory"
+        else:
+            existing, missing = run_dir, []
+            while not existing.exists():
+                existing, missing = existing.parent, [existing, *missing]
+            if not existing.is_dir():
+                problem = f"{option} {run_dir} cannot be created: {existing} is a file"
+            elif not os.access(existing, os.W_OK | os.X_OK):
+                problem = f"{option} {run_dir} cannot be written: no write permission on {existing}"
+            else:
+                problem = _try_writing(run_dir, missing, option)
+    problem = all_gather_objects(problem, d)[0]
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def _try_writing(run_dir: Path, missing: list[Path], option: str) -> str | None:
+    created = []
+    try:
+        for path in missing:
+            path.mkdir()
+            created.append(path)
+        with tempfile.TemporaryFile(dir=run_dir):
+            pass
+    except OSError as exc:
+        return f"{option} {run_dir} cannot be created or written: {exc.strerror or exc}"
+    finally:
+        for path in reversed(created):
+            with contextlib.suppress(OSError):
+                path.rmdir()
+    return None
 
 
 def _verified_checkpoint(config: TrainConfig, run_dir: Path, d: Dist, log) -> Path:
@@ -257,7 +285,7 @@ def train(config: TrainConfig, *, log=print) -> dict:
     d = init_distributed(config.distributed.backend, sequence_parallel=config.distributed.sequence_parallel)
     resume = config.checkpoint.resume
     run_dir = Path(resume or config.logging.run_dir)
-    _check_run_dir(run_dir, "checkpoint.resume" if resume else "logging.run_dir")
+    _check_run_dir(run_dir, "checkpoint.resume" if resume else "logging.run_dir", d)
     checkpoint = latest_checkpoint(run_dir)
     if resume and checkpoint is None:
         raise ValueError(f"checkpoint.resume: no checkpoint in {run_dir}/checkpoints")
@@ -428,8 +456,17 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
         totals["completions_sampled"] += sampled * g
         totals["sampled_tokens"] += tokens
         totals["generate_s"] += timing["rollout_generate_s"]
-        if rollout is None:
-            sync_sampler(step + 1, changed=False)
+        if rollout is None:  # a line that says so (no loss, reward or throughput: nothing was trained)
+            metrics = {**timing, **(sync_sampler(step + 1, changed=False) or {})}
+            metrics.update(step=step, no_update=1, invalid_group_rate=1.0, lr=scheduler.get_last_lr()[0],
+                           elapsed_s=time.perf_counter() - started, group_size=g, prompts_sampled=sampled,
+                           resample_rounds=rounds, completions_sampled=sampled * g, sampled_tokens=tokens)  # fmt: skip
+            if out is not None:
+                out.write(json.dumps(metrics) + "\n")
+                out.flush()
+            if writer is not None:
+                for key, value in metrics.items():
+                    writer.add_scalar(key, value, step)
             say(f"step {step:4d}  every sampled group was invalid: no update")
         else:
             metrics = grpo_step(policy, optimizer, rollout, loss_options=loss_options,

@@ -147,6 +147,10 @@ def serve_rollout(args: argparse.Namespace) -> None:
 
     if (args.model is None) == (args.config is None):
         raise ValueError("give a model directory or --config (not both)")
+    if not args.print_command:  # before anything is written: a port in use was a traceback from inside vLLM
+        from .train.preflight import check_port_free
+
+        check_port_free(args.host, args.port)
     model_dir, max_model_len = args.model, None
     if args.config:
         from .train.config import load_config

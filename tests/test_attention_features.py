@@ -173,6 +173,32 @@ def test_attention_packing_cannot_honour_is_refused_naming_the_feature(kind):
         model(**batch.model_kwargs())
 
 
+@pytest.mark.parametrize("config,message", [
+    ("GPTNeoConfig(num_layers=2, attention_types=[[['global', 'local'], 1]], hidden_size=64, num_heads=2)",
+     r"^GPTNeoForCausalLM \(gpt_neo\) has local attention on 1 of its 2 layers \(window_size=256\), attention "
+     r"chosen from its own classes, not transformers' attention interface: attn_implementation='grpo_varlen' cannot"),
+    ("GPTJConfig(n_layer=2, n_head=2, n_embd=64, rotary_dim=16)", r"^GPTJForCausalLM \(gptj\) has attention chosen"),
+    ("Llama4TextConfig(attention_chunk_size=8)", r"^the model config \(llama4_text\) sets attention_chunk_size=8"),
+])  # fmt: skip
+def test_architectures_grpo_varlen_cannot_build_are_refused_from_the_config(config, message, tmp_path):
+    """GPT-Neo (local attention) and GPT-J pick attention from their own tables: building them with grpo_varlen was
+    KeyError: 'grpo_varlen' from inside transformers. The config check names the architecture and the feature,
+    and load_policy runs it before building (one ValueError line)."""
+    import transformers
+
+    from grpo_kernels.attention import check_packed_config
+    from grpo_kernels.train.hf_model import load_policy
+
+    cfg = eval(f"transformers.{config}")
+    with pytest.raises(NotImplementedError, match=message):
+        check_packed_config(cfg)
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=rf"^the model in {tmp_path} cannot run packed: " + message.lstrip("^")):
+        load_policy(tmp_path)
+    for fine in (transformers.LlamaConfig(), transformers.Qwen2Config(), transformers.GPT2Config()):
+        check_packed_config(fine)
+
+
 def test_unknown_attention_argument_is_refused_not_dropped():
     register_hf_attention()
     model = build("llama", "grpo_varlen")

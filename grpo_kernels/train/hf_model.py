@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ..attention import HF_ATTENTION_NAME, check_packed_attention, register_hf_attention
+from ..attention import HF_ATTENTION_NAME, check_packed_attention, check_packed_config, register_hf_attention
 from .tasks import CharTokenizer, tiny_model
 
 __all__ = ["HFTokenizer", "load_policy", "write_tiny_checkpoint"]
@@ -148,7 +148,12 @@ def load_policy(path, *, dtype="float32", attn_implementation: str = HF_ATTENTIO
         raise ValueError(f"model path {directory} does not exist")
     if not directory.is_dir():
         raise ValueError(f"model path {directory} is not a directory (an HF model directory is expected)")
-    _check_causal_lm_config(directory)
+    config = _check_causal_lm_config(directory)
+    if attn_implementation == HF_ATTENTION_NAME:
+        try:
+            check_packed_config(config)
+        except NotImplementedError as exc:
+            raise ValueError(f"the model in {directory} cannot run packed: {exc}") from exc
     tokenizer = _load_tokenizer(directory)
     if attn_implementation == HF_ATTENTION_NAME:
         register_hf_attention()
@@ -200,7 +205,8 @@ def _dtype_kwarg(dtype: torch.dtype) -> dict:
     return {"dtype" if Version(transformers.__version__).release >= (4, 56) else "torch_dtype": dtype}
 
 
-def _check_causal_lm_config(directory: Path) -> None:
+def _check_causal_lm_config(directory: Path):
+    """The directory's transformers config, checked to be a causal LM's (ValueError, one line)."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -213,6 +219,7 @@ def _check_causal_lm_config(directory: Path) -> None:
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ValueError(f"the model in {directory} (model_type {config.model_type!r}) is not a causal LM: "
                          "AutoModelForCausalLM has no class for it")  # fmt: skip
+    return config
 
 
 def _load_tokenizer(directory: Path) -> HFTokenizer:

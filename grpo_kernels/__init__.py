@@ -17,7 +17,8 @@ except ImportError as exc:  # a clear message instead of a later AttributeError
 
 from . import attention, ops, packing, reference, theory
 from .advantages import group_advantages
-from .fused_linear import FusedLinearGRPOLoss, fused_linear_grpo_loss, fused_linear_logprobs
+from .fused_linear import fused_linear_grpo_loss, fused_linear_logprobs
+from .liger_compat import FusedLinearGRPOLoss
 from .logprobs import selective_logprobs
 from .loss import GRPOLoss, grpo_loss, grpo_loss_from_logits
 from .options import LossOptions

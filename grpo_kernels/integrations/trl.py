@@ -36,7 +36,7 @@ mask_truncated_completions acts on the completion mask before the loss. The logg
 kl, entropy, clip_ratio/{low_mean,high_mean,region_mean,low_min,high_max} (also for luspo), cispo_clip_ratio or
 vespo/phi_seq_mean. vespo takes TRL's importance_sampling_ratio (whenever the inputs hold one, as TRL) into its
 gamma weight: the sum of its clamped logs over each sequence's positions, spread over the sequence's tokens as
-sampler log-probs (see `fused_linear.vespo_sampler_logps`). The per-sequence
+sampler log-probs (see `liger_compat.vespo_sampler_logps`). The per-sequence
 low_min / high_max need per-token ratios: on-policy they are exactly 1; with old log-probs they cost one extra
 no-grad `fused_linear_logprobs` pass (one more [T, H] x [H, V] matmul).
 
@@ -68,7 +68,8 @@ from accelerate.utils import is_peft_model
 from trl import GRPOTrainer
 from trl.trainer.utils import nanmax, nanmin
 
-from ..fused_linear import fused_linear_grpo_loss, fused_linear_logprobs, vespo_sampler_logps
+from ..fused_linear import fused_linear_grpo_loss, fused_linear_logprobs
+from ..liger_compat import vespo_sampler_logps
 from ..options import LossOptions
 from .hf import backbone, check_plain_head, head_inputs, lm_head, logit_multiplier, logit_softcap
 from .trl_packing import PaddedLayout, pack_trl_batch, use_packed_attention

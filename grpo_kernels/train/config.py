@@ -33,116 +33,21 @@ Override strings are `section.field=value` (or `seed=value`), with or without le
 parsed by the field's type: bools as true/false/1/0/yes/no, "none"/"null" for None, tuples as "0.9,0.95".
 """
 
-import math
-import types
-import typing
-from dataclasses import MISSING, dataclass, field, fields
-from functools import cache
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import ClassVar
 from urllib.parse import urlparse
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
-
 from ..options import LossOptions
 from ..planner import ALGORITHMS
+from .config_fields import _check, _field_types, _typed, _validate
+
+TASK_NAMES = ("reverse", "add", "arith", "jsonl")
 
 __all__ = [
     "CheckpointConfig", "DistributedConfig", "GroupSizeConfig", "LoggingConfig", "LossConfig", "ModelConfig",
     "OptimConfig", "PackingConfig", "SamplingConfig", "TaskConfig", "TrainConfig", "load_config", "save_config",
     "to_dict",
 ]  # fmt: skip
-
-TASK_NAMES = ("reverse", "add", "arith", "jsonl")
-_NONE = ("none", "null")
-_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Field checks shared by every section.
-
-
-@cache
-def _field_types(cls) -> dict:
-    """{field name: resolved annotation} of a config dataclass, in declaration order."""
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in fields(cls)}
-
-
-def _unwrap_optional(tp) -> tuple[object, bool]:
-    """(X, True) for `X | None`, (tp, False) for any other annotation."""
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0], len(args) < len(typing.get_args(tp))
-    return tp, False
-
-
-def _typed(name: str, tp, value):
-    """value checked against annotation tp and normalized (int -> float, list -> tuple, "none" -> None)."""
-    inner, optional = _unwrap_optional(tp)
-    if optional and (value is None or (isinstance(value, str) and value.strip().lower() in _NONE)):
-        return None
-    if inner is bool and isinstance(value, bool):
-        return value
-    if inner is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if inner is float and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    if inner is str and isinstance(value, str):
-        return value
-    if typing.get_origin(inner) is tuple:
-        args = typing.get_args(inner)
-        if isinstance(value, (list, tuple)) and len(value) == len(args):
-            return tuple(_typed(f"{name}[{i}]", a, v) for i, (a, v) in enumerate(zip(args, value, strict=True)))
-    raise ValueError(f"{name} must be {_describe(tp)}, got {value!r}")
-
-
-def _describe(tp) -> str:
-    inner, optional = _unwrap_optional(tp)
-    if typing.get_origin(inner) is tuple:
-        text = f"a list of {len(typing.get_args(inner))} numbers"
-    else:
-        text = {bool: "a bool", int: "an int", float: "a finite number", str: "a string"}[inner]
-    return text + " or none" * optional
-
-
-def _parse(name: str, tp, text: str):
-    """A command-line string as the type of annotation tp (checked afterwards by _typed)."""
-    inner, optional = _unwrap_optional(tp)
-    s = text.strip()
-    if optional and s.lower() in _NONE:
-        return None
-    if inner is str:
-        return text
-    if typing.get_origin(inner) is tuple:
-        args, parts = typing.get_args(inner), s.strip("()[]").split(",")
-        if len(parts) != len(args):
-            raise ValueError(f"{name} must be {_describe(tp)} (like 0.9,0.95), got {text!r}")
-        return [_parse(f"{name}[{i}]", a, p) for i, (a, p) in enumerate(zip(args, parts, strict=True))]
-    try:
-        return _BOOLS[s.lower()] if inner is bool else inner(s)
-    except (KeyError, ValueError):
-        hint = " (true/false/1/0/yes/no)" if inner is bool else ""
-        raise ValueError(f"{name} must be {_describe(tp)}{hint}, got {text!r}") from None
-
-
-def _validate(config, *, at_least: dict | None = None, choices: dict | None = None) -> None:
-    """Type-check and normalize every field, then the lower bounds {field: low} and the {field: allowed values}."""
-    for name, tp in _field_types(type(config)).items():
-        setattr(config, name, _typed(f"{config.section}.{name}", tp, getattr(config, name)))
-    for name, low in (at_least or {}).items():
-        _check(config, name, getattr(config, name) >= low, f">= {low}")
-    for name, allowed in (choices or {}).items():
-        _check(config, name, getattr(config, name) in allowed, f"one of {', '.join(map(repr, allowed))}")
-
-
-def _check(config, name: str, ok: bool, rule: str) -> None:
-    if not ok:
-        raise ValueError(f"{config.section}.{name} must be {rule}, got {getattr(config, name)!r}")
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # Sections.
@@ -643,129 +548,9 @@ class TrainConfig:
             raise ValueError(f"loss.max_completion_length must be >= sampling.max_new_tokens ({new}), got {mcl}")
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Loading and saving.
-
-
 def _sections() -> dict[str, type]:
     """{section name: dataclass} in TrainConfig's order."""
     return {name: tp for name, tp in _field_types(TrainConfig).items() if name != "seed"}
 
 
-def _lookup(section: str, name: str | None):
-    """The annotation of `section.name` (name None: the top-level key `section`); ValueError listing valid names."""
-    sections = _sections()
-    if name is None:
-        if section == "seed":
-            return int
-        if section in sections:
-            raise ValueError(f"{section} is a section: set its fields as {section}.field=value")
-        raise ValueError(f"unknown section or key {section!r}; valid sections: {', '.join(sections)}; top-level: seed")
-    if section not in sections:
-        raise ValueError(f"unknown section {section!r}; valid sections: {', '.join(sections)}")
-    types_ = _field_types(sections[section])
-    if name not in types_:
-        raise ValueError(f"unknown field {section}.{name}; valid fields of [{section}]: {', '.join(types_)}")
-    return types_[name]
-
-
-def _read_toml(path) -> dict:
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except OSError as exc:
-        raise ValueError(f"cannot read config {path}: {exc.strerror or exc}") from exc
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"invalid TOML in config {path}: {exc}") from exc
-
-
-def _override_items(overrides) -> list[tuple[str, object]]:
-    """(key, value) pairs from "--section.field=value" strings or a dict (flat keys or {section: {field: value}})."""
-    if overrides is None:
-        return []
-    if isinstance(overrides, dict):
-        items = []
-        for key, value in overrides.items():
-            if key in _sections() and isinstance(value, dict):
-                items += [(f"{key}.{k}", v) for k, v in value.items()]
-            else:
-                items.append((key, value))
-        return items
-    items = []
-    for text in overrides:
-        key, sep, value = str(text).lstrip("-").partition("=")
-        if not sep:
-            raise ValueError(f"override {text!r} must look like section.field=value")
-        items.append((key.strip(), value))
-    return items
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> TrainConfig:
-    """The defaults, updated by the TOML file at `path`, then by `overrides` (applied in order); validated."""
-    top: dict = {}
-    values: dict = {name: {} for name in _sections()}
-    if path is not None:
-        for key, table in _read_toml(path).items():
-            if key not in values:
-                _lookup(key, None)  # ValueError unless a top-level key
-                top[key] = table
-            elif not isinstance(table, dict):
-                raise ValueError(f"{key} in {path} must be a table ([{key}]), got {table!r}")
-            else:
-                for name, value in table.items():
-                    _lookup(key, name)
-                    values[key][name] = value
-    for key, value in _override_items(overrides):
-        section, dot, name = key.partition(".")
-        tp = _lookup(section, name if dot else None)
-        if isinstance(value, str):
-            value = _parse(key, tp, value)
-        (values[section] if dot else top)[name if dot else section] = value
-    return TrainConfig(**top, **{name: cls(**values[name]) for name, cls in _sections().items()})
-
-
-def to_dict(config: TrainConfig) -> dict:
-    """{"seed": ..., section: {field: value}} with every field (None included); tuples become lists."""
-    out: dict = {"seed": config.seed}
-    for name in _sections():
-        section, table = getattr(config, name), {}
-        for key in _field_types(type(section)):
-            value = getattr(section, key)
-            table[key] = list(value) if isinstance(value, tuple) else value
-        out[name] = table
-    return out
-
-
-_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
-
-
-def _toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)  # finite (validated); repr round-trips a float exactly
-    if isinstance(value, str):
-        return '"' + "".join(_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 32 or ord(c) == 127 else c)
-                             for c in value) + '"'  # fmt: skip
-    return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-
-
-def _default(f):
-    return f.default_factory() if f.default is MISSING else f.default
-
-
-def save_config(config: TrainConfig, path: str | Path) -> None:
-    """Write config as TOML (creating the parent directory); `load_config(path)` gives back an equal config.
-    A None field is left out when its default is None and written as "none" otherwise."""
-    data = to_dict(config)
-    lines = [f"seed = {_toml_value(data.pop('seed'))}"]
-    for name, table in data.items():
-        defaults = {f.name: _default(f) for f in fields(_sections()[name])}
-        lines += ["", f"[{name}]"]
-        for key, value in table.items():
-            if value is None and defaults[key] is None:
-                continue
-            lines.append(f"{key} = {_toml_value('none' if value is None else value)}")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+from .config_io import load_config, save_config, to_dict  # noqa: E402  (the loaders use the classes above)

@@ -1,0 +1,133 @@
+"""Loading and saving the trainer's configuration: TOML files plus `section.field=value` overrides (see
+grpo_kernels/train/config.py for the sections and the format)."""
+
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from dataclasses import MISSING, fields
+
+from .config import TrainConfig, _sections
+from .config_fields import _field_types, _parse
+
+
+def _lookup(section: str, name: str | None):
+    """The annotation of `section.name` (name None: the top-level key `section`); ValueError listing valid names."""
+    sections = _sections()
+    if name is None:
+        if section == "seed":
+            return int
+        if section in sections:
+            raise ValueError(f"{section} is a section: set its fields as {section}.field=value")
+        raise ValueError(f"unknown section or key {section!r}; valid sections: {', '.join(sections)}; top-level: seed")
+    if section not in sections:
+        raise ValueError(f"unknown section {section!r}; valid sections: {', '.join(sections)}")
+    types_ = _field_types(sections[section])
+    if name not in types_:
+        raise ValueError(f"unknown field {section}.{name}; valid fields of [{section}]: {', '.join(types_)}")
+    return types_[name]
+
+
+def _read_toml(path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ValueError(f"cannot read config {path}: {exc.strerror or exc}") from exc
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"invalid TOML in config {path}: {exc}") from exc
+
+
+def _override_items(overrides) -> list[tuple[str, object]]:
+    """(key, value) pairs from "--section.field=value" strings or a dict (flat keys or {section: {field: value}})."""
+    if overrides is None:
+        return []
+    if isinstance(overrides, dict):
+        items = []
+        for key, value in overrides.items():
+            if key in _sections() and isinstance(value, dict):
+                items += [(f"{key}.{k}", v) for k, v in value.items()]
+            else:
+                items.append((key, value))
+        return items
+    items = []
+    for text in overrides:
+        key, sep, value = str(text).lstrip("-").partition("=")
+        if not sep:
+            raise ValueError(f"override {text!r} must look like section.field=value")
+        items.append((key.strip(), value))
+    return items
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> TrainConfig:
+    """The defaults, updated by the TOML file at `path`, then by `overrides` (applied in order); validated."""
+    top: dict = {}
+    values: dict = {name: {} for name in _sections()}
+    if path is not None:
+        for key, table in _read_toml(path).items():
+            if key not in values:
+                _lookup(key, None)  # ValueError unless a top-level key
+                top[key] = table
+            elif not isinstance(table, dict):
+                raise ValueError(f"{key} in {path} must be a table ([{key}]), got {table!r}")
+            else:
+                for name, value in table.items():
+                    _lookup(key, name)
+                    values[key][name] = value
+    for key, value in _override_items(overrides):
+        section, dot, name = key.partition(".")
+        tp = _lookup(section, name if dot else None)
+        if isinstance(value, str):
+            value = _parse(key, tp, value)
+        (values[section] if dot else top)[name if dot else section] = value
+    return TrainConfig(**top, **{name: cls(**values[name]) for name, cls in _sections().items()})
+
+
+def to_dict(config: TrainConfig) -> dict:
+    """{"seed": ..., section: {field: value}} with every field (None included); tuples become lists."""
+    out: dict = {"seed": config.seed}
+    for name in _sections():
+        section, table = getattr(config, name), {}
+        for key in _field_types(type(section)):
+            value = getattr(section, key)
+            table[key] = list(value) if isinstance(value, tuple) else value
+        out[name] = table
+    return out
+
+
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)  # finite (validated); repr round-trips a float exactly
+    if isinstance(value, str):
+        return '"' + "".join(_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 32 or ord(c) == 127 else c)
+                             for c in value) + '"'  # fmt: skip
+    return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+
+
+def _default(f):
+    return f.default_factory() if f.default is MISSING else f.default
+
+
+def save_config(config: TrainConfig, path: str | Path) -> None:
+    """Write config as TOML (creating the parent directory); `load_config(path)` gives back an equal config.
+    A None field is left out when its default is None and written as "none" otherwise."""
+    data = to_dict(config)
+    lines = [f"seed = {_toml_value(data.pop('seed'))}"]
+    for name, table in data.items():
+        defaults = {f.name: _default(f) for f in fields(_sections()[name])}
+        lines += ["", f"[{name}]"]
+        for key, value in table.items():
+            if value is None and defaults[key] is None:
+                continue
+            lines.append(f"{key} = {_toml_value('none' if value is None else value)}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -33,7 +33,7 @@ Override strings are `section.field=value` (or `seed=value`), with or without le
 parsed by the field's type: bools as true/false/1/0/yes/no, "none"/"null" for None, tuples as "0.9,0.95".
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import ClassVar
 from urllib.parse import urlparse
 
@@ -286,46 +286,11 @@ class SamplingConfig:
         return out
 
 
-@dataclass(kw_only=True, slots=True)
-class LossConfig:
-    """The options of `grpo_kernels.grpo_loss` that a run sets: the fields of `grpo_kernels.options.LossOptions`
-    (same names, defaults and meaning), as a TOML section; validated by LossOptions (messages start "loss.")."""
+class _LossSection:
+    """What the [loss] section adds to LossOptions' fields: its name, validation, and the conversions."""
 
+    __slots__ = ()
     section: ClassVar[str] = "loss"
-
-    loss_type: str = "dapo"
-    """Aggregation/objective: "grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo" or "vespo"."""
-    epsilon_low: float = 0.2
-    """Lower clip: the ratio is clipped at 1 - epsilon_low; 0 <= epsilon_low < 1."""
-    epsilon_high: float = 0.2
-    """Upper clip at 1 + epsilon_high (DAPO's clip-higher uses 0.28); cispo's cap on the ratio."""
-    delta: float | None = None
-    """Two-sided clip: the ratio is also capped at delta (> 0) for negative advantages; None = off."""
-    beta: float = 0.0
-    """Weight of the k3 KL to the reference model (0 = no reference model is loaded)."""
-    importance_sampling_level: str = "token"
-    """One importance ratio per "token", or per "sequence" (GSPO)."""
-    max_completion_length: int | None = None
-    """dr_grpo's normalizing constant; None = the longest completion of the micro-batch."""
-    sampler_is_mode: str | None = None
-    """Correction for the trainer/sampler mismatch: None, "token_truncate", "token_mask", "sequence_truncate" or
-    "sequence_mask" (the trainer then passes the sampler's log-probs)."""
-    sampler_is_cap: float = 3.0
-    """Where the sampler correction truncates or masks the ratio (> 0)."""
-    use_bias_correction_kl: bool = False
-    """Multiply the KL term by the importance ratio."""
-    sapo_temperature_pos: float = 1.0
-    """SAPO's gate temperature for positive advantages (> 0)."""
-    sapo_temperature_neg: float = 1.05
-    """SAPO's gate temperature for negative advantages (> 0)."""
-    vespo_k_pos: float = 2.0
-    """VESPO's power k for advantages >= 0 (>= 0)."""
-    vespo_lambda_pos: float = 3.0
-    """VESPO's decay rate lambda for advantages >= 0 (>= 0; floored at 1e-4)."""
-    vespo_k_neg: float = 3.0
-    """VESPO's power k for negative advantages (>= 0)."""
-    vespo_lambda_neg: float = 2.0
-    """VESPO's decay rate lambda for negative advantages (>= 0; floored at 1e-4)."""
 
     def __post_init__(self):
         _validate(self)
@@ -341,6 +306,17 @@ class LossConfig:
     def kwargs(self) -> dict:
         """The keyword arguments of `grpo_kernels.grpo_loss` (and `fused_linear_grpo_loss`) for this config."""
         return {name: getattr(self, name) for name in _field_types(LossConfig)}
+
+
+# The fields are LossOptions' own (names, types, defaults; documented there): one source for both.
+LossConfig = make_dataclass(
+    "LossConfig", [(f.name, _field_types(LossOptions)[f.name], field(default=f.default)) for f in fields(LossOptions)],
+    bases=(_LossSection,), kw_only=True, slots=True,
+    namespace={"__doc__": "The options of `grpo_kernels.grpo_loss` that a run sets: the fields of "
+               "`grpo_kernels.options.LossOptions` (same names, defaults and meaning, documented there), as a TOML "
+               "section; validated by LossOptions (messages start \"loss.\")."},
+)  # fmt: skip
+LossConfig.__module__ = __name__  # (make_dataclass takes module= from Python 3.12)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from .rollout import Rollout
-from .vllm_sampler import _ids, _request_seed, truncated
+from .vllm_sampler import _ids, _request_seed, check_sampling, checked_prompts, truncated
 
 __all__ = ["RolloutServer", "RolloutServerError", "ServerClient", "ServerSampler", "TemperatureExtension", "free_port"]
 
@@ -264,10 +264,7 @@ class ServerSampler:
                  top_p: float = 1.0, stop_ids=(), health_every_s: float = 5.0):  # fmt: skip
         if not clients:
             raise ValueError("ServerSampler needs at least one server")
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        check_sampling(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
         self.clients, self.max_new_tokens, self.top_p = clients, max_new_tokens, top_p
         self.stop_ids = list(dict.fromkeys([eos_id, *(int(i) for i in stop_ids)]))
         self.health_every_s = health_every_s
@@ -287,11 +284,7 @@ class ServerSampler:
         return dict(temperature=1.0, top_k=0, detokenize=False, **kwargs)
 
     def sample(self, prompts: list, group_size: int, *, seeds: list) -> Rollout:
-        if len(seeds) != len(prompts):
-            raise ValueError(f"one seed per prompt: {len(prompts)} prompts, {len(seeds)} seeds")
-        if group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {group_size}")
-        prompts = [_ids(p, "prompt") for p in prompts]
+        prompts = checked_prompts(prompts, group_size, seeds)
         jobs = [(self.clients[k % len(self.clients)], p.tolist(),
                  self._params(n=group_size, top_p=self.top_p, max_tokens=self.max_new_tokens,
                               stop_token_ids=self.stop_ids, logprobs=0, seed=_request_seed(int(seed))))

@@ -103,12 +103,7 @@ class VLLMSampler:
         external_launcher: under torchrun, one engine per rank on the rank's own device (LOCAL_RANK), joined to the
             launcher's process group (vLLM's "external_launcher" executor) instead of vLLM starting its own.
         """
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        check_sampling(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
         self.eos_id, self.max_new_tokens, self.temperature, self.top_p = eos_id, max_new_tokens, temperature, top_p
         self.stop_ids = list(dict.fromkeys([eos_id, *(int(i) for i in stop_ids)]))
         names = _checkpoint_weight_names(model_dir)
@@ -163,11 +158,7 @@ class VLLMSampler:
     @torch.no_grad()
     def sample(self, prompts: list, group_size: int, *, seeds: list) -> Rollout:
         """G samples of every prompt (lists or 1-D tensors of token ids); group k reproducible for seeds[k]."""
-        if len(seeds) != len(prompts):
-            raise ValueError(f"one seed per prompt: {len(prompts)} prompts, {len(seeds)} seeds")
-        if group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {group_size}")
-        prompts = [_ids(p, "prompt") for p in prompts]
+        prompts = checked_prompts(prompts, group_size, seeds)
         common = dict(n=group_size, top_p=self.top_p, max_tokens=self.max_new_tokens, stop_token_ids=self.stop_ids,
                       logprobs=0)  # fmt: skip
         params = [self._params(seed=_request_seed(int(seed)), **common) for seed in seeds]
@@ -234,6 +225,25 @@ def truncated(finish_reason, ids, stop_ids) -> bool:
     if finish_reason is None:
         return not ends_at_stop
     return finish_reason == "length" and not ends_at_stop
+
+
+def check_sampling(*, temperature: float, top_p: float, max_new_tokens: int) -> None:
+    """The sampling options every vLLM-backed sampler takes (in process or on servers): ValueError naming one."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+
+
+def checked_prompts(prompts: list, group_size: int, seeds: list) -> list[torch.Tensor]:
+    """A `sample` call's arguments checked: one seed per prompt, G >= 1; the prompts as 1-D id tensors."""
+    if len(seeds) != len(prompts):
+        raise ValueError(f"one seed per prompt: {len(prompts)} prompts, {len(seeds)} seeds")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    return [_ids(p, "prompt") for p in prompts]
 
 
 def _ids(ids, what: str) -> torch.Tensor:

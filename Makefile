@@ -29,7 +29,7 @@ TRAINERS ?= verl==0.9.1 openrlhf==0.11.2 "tensordict>=0.8,<=0.10" ray==2.60.0 ms
 TRAINERS_VENV := .venv-trainers
 TRAINERS_STAMP := $(TRAINERS_VENV)/.setup-stamp
 
-.PHONY: setup setup-vllm setup-smollm2 setup-aot-compat setup-trainers build demo smollm2 test aot-compat bench lint clean
+.PHONY: setup setup-vllm setup-smollm2 setup-aot-compat setup-trainers build demo smollm2 test aot-compat bench lint docs clean
 
 setup: build
 
@@ -96,6 +96,10 @@ smollm2: setup setup-vllm setup-smollm2
 test: setup setup-vllm setup-smollm2 setup-trainers lint aot-compat
 	GRPO_REQUIRE_VLLM=1 $(PY) -m pytest -q tests
 	$(TRAINERS_VENV)/bin/python -m pytest -q tests/trainers
+
+# The documentation site (docs/, mkdocs.yml) into site/; strict: a warning (a broken link, a bad docstring) fails.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
 
 # Every Triton kernel compiled for sm_90a under $(TRITON_COMPAT): fails on a compile error or any register spill.
 # (The test suite does the same under .venv's Triton.)

@@ -19,7 +19,7 @@ scripts run alone) and a fresh temporary directory in quick mode (unless --out),
 results alone. vs_best_baseline = the provider's median ms / the fastest baseline's of the same op, case and shape,
 where the baselines are every provider that is not ours (benchmarks.common.OURS) except fused_linear's "floor", which
 is a lower bound (the unavoidable matmuls), not an implementation. Below 1 is faster than every baseline. A full run
-into benchmarks/results/ then rewrites README.md's Performance section (benchmarks.readme).
+into benchmarks/results/ then rewrites docs/performance.md (benchmarks.readme).
 """
 
 import argparse
@@ -185,7 +185,7 @@ def main() -> None:
         raise SystemExit(f"failed: {', '.join(failed)}")
     if out == RESULTS:
         changed = readme.update()
-        print("README.md's Performance section " + ("rewritten from the results" if changed else "unchanged"))
+        print("docs/performance.md " + ("rewritten from the results" if changed else "unchanged"))
 
 
 if __name__ == "__main__":

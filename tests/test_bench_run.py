@@ -65,17 +65,17 @@ def test_e2e_vs_trl_quick_has_three_providers(tmp_path):
     assert snapshot() == before
 
 
-# README.md's Performance section (benchmarks/readme.py): generated from the results files, never hand-edited.
+# docs/performance.md (benchmarks/readme.py): generated from the results files, never hand-edited.
 
 
-def test_readme_performance_section_matches_the_committed_results():
+def test_performance_page_matches_the_committed_results():
     from benchmarks import readme
 
-    text = readme.README.read_text()
+    text = readme.PAGE.read_text()
     assert text.count(readme.BEGIN) == 1 and text.count(readme.END) == 1
     section = text.split(readme.BEGIN)[1].split(readme.END)[0]
     assert section.strip(), "empty Performance section"
-    assert readme.updated_readme(text, readme.render()) == text, "run: .venv/bin/python -m benchmarks.readme"
+    assert readme.updated_page(text, readme.render()) == text, "run: .venv/bin/python -m benchmarks.readme"
     for table in readme.TABLES:  # every op of `make bench` has its table (cpu.csv is committed)
         assert table.title in section, table.op
 
@@ -102,7 +102,7 @@ def test_readme_render_takes_the_latest_rows_and_computes_speedups(tmp_path):
         combined_row("reference", 800.0), combined_row("cpp", 100.0),            # an older run: replaced below
         combined_row("reference", 700.0, timestamp="2026-02-03T00:00:00", sha="def5678"),
         combined_row("cpp", 140.0, timestamp="2026-02-03T00:00:00", sha="def5678"),
-        combined_row("reference", 5.0, shape="N=1000"),                         # not in the README's planner table
+        combined_row("reference", 5.0, shape="N=1000"),                         # not in the page's planner table
         combined_row("naive", 300.0, op="fused_linear", case="fp32", shape="8x4x16", peak=40.0),
         combined_row("floor", 90.0, op="fused_linear", case="fp32", shape="8x4x16", peak=10.0),
         combined_row("ours", 120.0, op="fused_linear", case="fp32", shape="8x4x16", peak=2.0),
@@ -125,8 +125,8 @@ def test_readme_render_errors_on_a_table_without_rows_and_on_missing_markers(tmp
     with pytest.raises(SystemExit, match="no planner rows"):
         readme.render(tmp_path)
     with pytest.raises(SystemExit, match="exactly one"):
-        readme.updated_readme("# a README without the markers\n", "## Performance\n")
-    assert readme.updated_readme(f"a\n{readme.BEGIN}\nold\n{readme.END}\nb\n", "new\n") == (
+        readme.updated_page("# a page without the markers\n", "## Performance\n")
+    assert readme.updated_page(f"a\n{readme.BEGIN}\nold\n{readme.END}\nb\n", "new\n") == (
         f"a\n{readme.BEGIN}\nnew\n{readme.END}\nb\n"
     )
 

@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--config", help="a TOML file (see grpo_kernels/train/config.py)")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint (its config.toml; "
                    "--checkpoint.resume_step=N resumes from step_N instead)")  # fmt: skip
+    t.add_argument("--help-config", nargs="?", const="", metavar="SECTION",
+                   help="print every --section.field option (or one section's) with its type, default and meaning")
     pm = sub.add_parser("prepare-model", help="convert a known model (smollm2-135m) once into an HF directory")
     pm.add_argument("name", help="a known model: " + ", ".join(_known_models()))
     pm.add_argument("--out", metavar="DIR", help="where to write it (default: the cache, $GRPO_KERNELS_CACHE or "
@@ -102,6 +104,14 @@ def main(argv: list[str] | None = None) -> None:
         from .train.rollout_server import RolloutServerError
         from .train.trainer import train
 
+        if args.help_config is not None:
+            from .train.config_io import describe
+
+            try:
+                print(describe(args.help_config or None), end="")
+            except ValueError as exc:
+                raise SystemExit(f"grpo-kernels train: error: {exc}") from None
+            return
         try:
             if args.resume:
                 if args.config:

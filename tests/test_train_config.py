@@ -285,3 +285,24 @@ def test_loss_kwargs_are_accepted_by_grpo_loss(overrides):
     loss.backward()
     assert math.isfinite(loss.item()) and torch.isfinite(logps.grad).all()
     assert ("kl" in metrics) == bool(loss_config.beta)
+
+
+def test_help_config_lists_every_option_with_its_type_default_and_docstring(capsys):
+    """`grpo-kernels train --help-config [SECTION]`: every field of every section, documented (a field without a
+    docstring fails here), LossConfig's from LossOptions; an unknown section is one error line."""
+    from grpo_kernels.cli import main
+    from grpo_kernels.train.config import _sections
+    from grpo_kernels.train.config_io import field_docs
+
+    main(["train", "--help-config"])
+    text = capsys.readouterr().out
+    for name, cls in _sections().items():
+        docs = field_docs(cls)
+        for f in fields(cls):
+            assert docs.get(f.name), f"{name}.{f.name} has no docstring"
+            assert f"--{name}.{f.name}=<" in text, f"{name}.{f.name}"
+    assert "--sampling.group_size=<an int> (default: 8)" in text and "--loss.delta=<a finite number or none>" in text
+    main(["train", "--help-config", "loss"])
+    assert capsys.readouterr().out.startswith("[loss]\n  --loss.loss_type=<a string> (default: \"dapo\")\n")
+    with pytest.raises(SystemExit, match="unknown section 'nope'; valid sections: model, task"):
+        main(["train", "--help-config", "nope"])

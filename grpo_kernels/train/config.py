@@ -43,10 +43,9 @@ from .config_fields import _check, _field_types, _typed, _validate
 
 TASK_NAMES = ("reverse", "add", "arith", "jsonl")
 
-__all__ = [
+__all__ = [  # (load_config, save_config, to_dict and describe come from config_io: see __getattr__ below)
     "CheckpointConfig", "DistributedConfig", "GroupSizeConfig", "LoggingConfig", "LossConfig", "ModelConfig",
-    "OptimConfig", "PackingConfig", "SamplingConfig", "TaskConfig", "TrainConfig", "load_config", "save_config",
-    "to_dict",
+    "OptimConfig", "PackingConfig", "SamplingConfig", "TaskConfig", "TrainConfig",
 ]  # fmt: skip
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -529,4 +528,11 @@ def _sections() -> dict[str, type]:
     return {name: tp for name, tp in _field_types(TrainConfig).items() if name != "seed"}
 
 
-from .config_io import load_config, save_config, to_dict  # noqa: E402  (the loaders use the classes above)
+def __getattr__(name: str):
+    """load_config, save_config and to_dict live in config_io (which imports the classes above); importable from here
+    too, as they always were."""
+    if name in ("load_config", "save_config", "to_dict", "describe"):
+        from . import config_io
+
+        return getattr(config_io, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -131,3 +131,46 @@ def save_config(config: TrainConfig, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def field_docs(cls) -> dict[str, str]:
+    """{field: its docstring} of a config dataclass, read from the source (the string literal under each field, as
+    tyro and the API pages read them); LossConfig's fields are documented on LossOptions."""
+    import ast
+    import inspect
+
+    from ..options import LossOptions
+    from .config import LossConfig
+
+    source = LossOptions if cls is LossConfig else cls
+    body = ast.parse(inspect.cleandoc("\n" + inspect.getsource(source))).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:], strict=False):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):  # fmt: skip
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def describe(section: str | None = None) -> str:
+    """Every option (or one section's) as `--section.field=TYPE (default: X)` and its docstring: what
+    `grpo-kernels train --help-config [SECTION]` prints. ValueError listing the sections for an unknown one."""
+    import textwrap
+
+    from .config_fields import _describe
+
+    sections = _sections()
+    if section is not None and section not in sections:
+        raise ValueError(f"unknown section {section!r}; valid sections: {', '.join(sections)}")
+    out = ["--seed=<an int> (default: 0): the run's seed"] if section is None else []
+    for name, cls in sections.items():
+        if section not in (None, name):
+            continue
+        docs, defaults = field_docs(cls), {f.name: _default(f) for f in fields(cls)}
+        out.append(f"\n[{name}]")
+        for field_name, tp in _field_types(cls).items():
+            default = "none" if defaults[field_name] is None else _toml_value(defaults[field_name])
+            out.append(f"  --{name}.{field_name}=<{_describe(tp)}> (default: {default})")
+            doc = docs.get(field_name, "")
+            out += textwrap.wrap(doc, width=116, initial_indent="      ", subsequent_indent="      ") if doc else []
+    return "\n".join(out).lstrip("\n") + "\n"

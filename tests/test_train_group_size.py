@@ -38,7 +38,11 @@ def test_training_with_adaptive_g_and_dynamic_sampling(tmp_path):
           "--group_size.window=1", "--group_size.invalid_rate_threshold=0.01", "--group_size.dynamic_sampling=true",
           "--group_size.max_resample_rounds=1"])  # fmt: skip
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:  # only groups with a signal were trained on; more prompts were drawn to replace the others
+        if r.get("no_update"):  # every group of both rounds was invalid: no update, a line that says so
+            assert r["invalid_group_rate"] == 1.0 and r["resample_rounds"] == 1 and r["prompts_sampled"] >= 3
+            continue
         assert r["invalid_group_rate"] == 0.0 and r["prompts_sampled"] >= 3 and r["resample_rounds"] <= 1
     if len(rows) >= 2:
         assert rows[-1]["group_size"] >= rows[0]["group_size"]

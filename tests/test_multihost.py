@@ -116,7 +116,8 @@ def test_decoupled_run_across_three_network_namespaces(hosts, tmp_path):
             # the machine's host name, which here resolves outside the namespaces)
             launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
                       "--rdzv_backend=c10d", f"--rdzv_endpoint={NODE0}:{RDZV_PORT}", "--rdzv_id=gk-multihost",
-                      f"--rdzv_conf=is_host={int(address == NODE0)}", f"--local_addr={address}", "-m", "grpo_kernels.cli", "train", "--config", str(config),
+                      f"--rdzv_conf=is_host={int(address == NODE0)}", f"--local_addr={address}", "-m",
+                      "grpo_kernels.cli", "train", "--config", str(config),
                       f"--logging.run_dir={run}", "--optim.steps=3", "--optim.lr=1e-3", "--sampling.group_size=4",
                       "--sampling.prompts_per_step=4", "--task.num_eval_prompts=8", "--sampling.sampler=vllm",
                       "--sampling.placement=decoupled", f"--sampling.server_urls=http://{SERVER}:{PORT}",

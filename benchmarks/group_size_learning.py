@@ -207,6 +207,49 @@ def summary_table(runs: list[dict]) -> list[str]:
     return lines
 
 
+ADAPTIVE_COLUMNS = ["run", "step", "g_before", "g_after", "invalid_before", "invalid_after"]
+WINDOW = 5  # steps averaged before and from a change of G (group_size.window's default)
+
+
+def adaptive_changes(results: Path) -> list[dict]:
+    """What group_size.adaptive did in each adaptive run: every step where G changed, with the mean invalid-group
+    rate of the WINDOW steps before it and from it (a step without an update counts as 1.0: every group invalid); a
+    run whose G never changed gets one row with step -1 and its whole-run rate as invalid_before."""
+    out = []
+    mean = lambda xs: round(sum(xs) / len(xs), 4) if xs else ""  # noqa: E731
+    for path in sorted((results / "runs").glob("adaptive_seed*/metrics.jsonl")):
+        rows, run = _jsonl(path), path.parent.name
+        changes = [(prev, cur) for prev, cur in zip(rows, rows[1:], strict=False)
+                   if cur["group_size"] != prev["group_size"]]  # fmt: skip
+        rate = {r["step"]: r["invalid_group_rate"] for r in rows}
+        for prev, cur in changes:
+            step = cur["step"]
+            before = [v for s, v in rate.items() if step - WINDOW <= s < step]
+            after = [v for s, v in rate.items() if step <= s < step + WINDOW]
+            out.append({"run": run, "step": step, "g_before": prev["group_size"], "g_after": cur["group_size"],
+                        "invalid_before": mean(before), "invalid_after": mean(after)})  # fmt: skip
+        if not changes and rows:
+            g = rows[0]["group_size"]
+            out.append({"run": run, "step": -1, "g_before": g, "g_after": g,
+                        "invalid_before": mean(list(rate.values())), "invalid_after": ""})  # fmt: skip
+    return out
+
+
+def adaptive_table(changes: list[dict]) -> list[str]:
+    if not changes:
+        return []
+    lines = ["## What the adaptive schedule did", "",
+             f"| run | step | G | invalid-group rate, {WINDOW} steps before | {WINDOW} steps from it |",
+             "|---|---:|---|---:|---:|"]  # fmt: skip
+    for c in changes:
+        if int(c["step"]) < 0:
+            lines.append(f"| {c['run']} | - | {c['g_before']} throughout | {c['invalid_before']} (whole run) | - |")
+        else:
+            lines.append(f"| {c['run']} | {c['step']} | {c['g_before']} -> {c['g_after']} | {c['invalid_before']} | "
+                         f"{c['invalid_after']} |")  # fmt: skip
+    return lines
+
+
 def plots(results: Path, curves: list[dict], runs: list[dict]) -> list[Path]:
     import matplotlib
 
@@ -263,6 +306,8 @@ def report(results: Path, curves: list[dict], runs: list[dict], *, command: str,
              f"measurement: tokens trained / {gpu['train_tokens_per_s']:g} tokens/s + decode steps x "
              f"{gpu['decode_step_s']:g} s + tokens sampled / {gpu['sample_tokens_per_s']:g} tokens/s.", "",
              *summary_table(runs), ""]  # fmt: skip
+    adaptive = adaptive_table(_read_csv(results / "adaptive.csv") if (results / "adaptive.csv").exists() else [])
+    lines += [*adaptive, ""] if adaptive else []
     (results / "summary.md").write_text("\n".join(lines))
     return [results / "summary.md", *plots(results, curves, runs)]
 
@@ -293,6 +338,8 @@ def run(args, out_root: Path | None = None) -> int:
         curves, runs = collect(results, gpu)
         _write_csv(results / "curves.csv", CURVE_COLUMNS, curves)
         _write_csv(results / "runs.csv", RUN_COLUMNS, runs)
+    if (results / "runs").is_dir() and list((results / "runs").glob("adaptive_seed*/metrics.jsonl")):
+        _write_csv(results / "adaptive.csv", ADAPTIVE_COLUMNS, adaptive_changes(results))
     if not (results / "curves.csv").exists():
         raise SystemExit(f"group-size-study: no {results / 'curves.csv'} to plot (run the study first)")
     curves, runs = _read_csv(results / "curves.csv"), _read_csv(results / "runs.csv")

@@ -112,3 +112,25 @@ def test_unknown_setting_is_an_error_before_anything_runs(tmp_path):
         cli.main(["group-size-study", "--learning", "--model", "tiny", "--target", "0.5", "--settings", "8,12x",
                   "--out", str(tmp_path), "--workdir", str(tmp_path / "work")])  # fmt: skip
     assert not (tmp_path / "work").exists()
+
+
+def test_adaptive_changes_report_when_g_grew_and_the_invalid_rate_around_it(tmp_path):
+    """Every change of G in an adaptive run, with the mean invalid-group rate of the 5 steps before and from it (a
+    step without an update counts as all invalid); a run whose G never changed gets its whole-run rate."""
+    grew = tmp_path / "runs" / "adaptive_seed0"
+    grew.mkdir(parents=True)
+    rows = [{"step": i, "group_size": 8 if i < 6 else 16, "invalid_group_rate": 0.6 if i < 6 else 0.3}
+            for i in range(12)]
+    rows[3] = {"step": 3, "no_update": 1, "group_size": 8, "invalid_group_rate": 1.0}
+    (grew / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    flat = tmp_path / "runs" / "adaptive_seed1"
+    flat.mkdir()
+    (flat / "metrics.jsonl").write_text("\n".join(json.dumps({"step": i, "group_size": 8, "invalid_group_rate": 0.2})
+                                                  for i in range(4)))  # fmt: skip
+    changes = gl.adaptive_changes(tmp_path)
+    assert changes == [
+        dict(run="adaptive_seed0", step=6, g_before=8, g_after=16, invalid_before=0.68, invalid_after=0.3),
+        dict(run="adaptive_seed1", step=-1, g_before=8, g_after=8, invalid_before=0.2, invalid_after=""),
+    ]  # fmt: skip
+    table = "\n".join(gl.adaptive_table(changes))
+    assert "| adaptive_seed0 | 6 | 8 -> 16 | 0.68 | 0.3 |" in table and "| adaptive_seed1 | - | 8 throughout |" in table

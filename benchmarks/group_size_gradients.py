@@ -100,8 +100,26 @@ def summarize(rows: list[dict], grams: dict, *, boot: int = 2000, seed: int = 0)
 
 
 def measure(model: str, *, group_sizes, prompts_per_step: int, repeats: int, pool: int, sampler: str, task: str,
-            difficulty: int, temperature: float, max_new_tokens: int, seed: int, sft_steps: int = 0):  # fmt: skip
-    """(rows, grams): per G and repeat, two independent batches' gradients at the model's fixed parameters."""
+            difficulty: int, temperature: float, max_new_tokens: int, seed: int, sft_steps: int = 0,
+            partial: Path | None = None):  # fmt: skip
+    """(rows, grams): per G and repeat, two independent batches' gradients at the model's fixed parameters.
+
+    partial: a file that keeps each finished G's rows and Gram matrix (written after every G), so that a run cut
+    short resumes at the first unfinished G with the same results (every batch is drawn from its own seeded stream:
+    (seed, G, repeat, side) decides it, whatever ran before); refused if it was written with other arguments."""
+    key = dict(model=model, prompts_per_step=prompts_per_step, repeats=repeats, pool=pool, sampler=sampler, task=task,
+               difficulty=difficulty, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
+               sft_steps=sft_steps)  # fmt: skip
+    saved = {"key": key, "done": {}}
+    if partial is not None and partial.exists():
+        saved = json.loads(partial.read_text())
+        if saved.get("key") != key:
+            raise SystemExit(f"{partial} was written by a run with other arguments ({saved.get('key')}): remove it "
+                             "or run with those")  # fmt: skip
+        print(f"resuming: G = {', '.join(saved['done'])} done before ({partial})", flush=True)
+    todo = [g for g in group_sizes if str(g) not in saved["done"]]
+    if not todo:
+        return _from_saved(saved, group_sizes)
     from grpo_kernels.train.config import load_config
     from grpo_kernels.train.fsdp import SINGLE
     from grpo_kernels.train.step import Policy, grpo_step, sft_warmup
@@ -118,15 +136,13 @@ def measure(model: str, *, group_sizes, prompts_per_step: int, repeats: int, poo
     policy = Policy(model_)
     engine = _sampler(config, model_, tok, SINGLE)
     recorder = GradientRecorder(policy.parameters())
-    rng = random.Random(seed)
-    rows, grams = [], {}
     try:
-        for g in group_sizes:
-            grads = []
+        for g in todo:
+            grads, rows = [], []
             for r in range(repeats):
                 row = {"G": g, "repeat": r, "prompts": prompts_per_step, "sample_s": 0.0, "grad_s": 0.0}
                 for side in ("a", "b"):
-                    batch = rng.sample(examples, prompts_per_step)
+                    batch = random.Random(f"{seed}-{g}-{r}-{side}").sample(examples, prompts_per_step)
                     start = time.perf_counter()
                     seeds = [_seed(seed, 7, g, r, side == "b", k) for k in range(len(batch))]
                     rollout = _sample(engine, tok, task_, batch, g, seeds, SINGLE)
@@ -148,12 +164,23 @@ def measure(model: str, *, group_sizes, prompts_per_step: int, repeats: int, poo
                 print(f"G={g:2d} repeat {r}: cosine {row['cosine']:.3f}, valid {row['valid_a']:.2f} / "
                       f"{row['valid_b']:.2f}, {row['sample_s']:.0f} s sampling, {row['grad_s']:.0f} s gradients",
                       flush=True)  # fmt: skip
-            grams[str(g)] = [[dot(x, y) for y in grads] for x in grads]
+            saved["done"][str(g)] = {"rows": rows, "gram": [[dot(x, y) for y in grads] for x in grads]}
             grads.clear()
+            if partial is not None:
+                partial.parent.mkdir(parents=True, exist_ok=True)
+                tmp = partial.with_suffix(".tmp")
+                tmp.write_text(json.dumps(saved))
+                tmp.replace(partial)
     finally:
         if sampler == "vllm":
             engine.close()
-    return rows, grams
+    return _from_saved(saved, group_sizes)
+
+
+def _from_saved(saved: dict, group_sizes) -> tuple[list[dict], dict]:
+    """(rows, grams) in --group-sizes order from the per-G results."""
+    done = saved["done"]
+    return [r for g in group_sizes for r in done[str(g)]["rows"]], {str(g): done[str(g)]["gram"] for g in group_sizes}
 
 
 def write(out: Path, rows: list[dict], grams: dict, *, command: str, seconds: float) -> list[Path]:
@@ -174,8 +201,9 @@ def report(out: Path) -> list[Path]:
     saved = json.loads((out / "gradients_gram.json").read_text())
     table = summarize(rows, saved["gram"])
     lines = ["# Gradient agreement vs group size (fixed parameters, no training)", "",
-             f"Command: `{saved['command']}` ({saved['seconds']} s). Per G: R pairs of independent batches of the "
-             "same number of prompts, G completions each; the policy gradient of each batch from the trainer's step.",
+             f"Command: `{saved['command']}` ({saved['seconds']} s sampling and computing gradients). Per G: R pairs "
+             "of independent batches of the same number of prompts, G completions each; the policy gradient of each "
+             "batch from the trainer's step.",
              "", "| G | repeats | cosine (95% CI) | SNR ‖E g‖ / sqrt(tr Var g) (95% bootstrap) | valid samples | "
              "reward | s sampling / batch | s gradient / batch |", "|---|---|---|---|---|---|---|---|",
              *[f"| {t['G']} | {t['repeats']} | {t['cosine']:.3f} ± {t['cosine_ci']:.3f} | {t['snr']:.3f} "
@@ -225,18 +253,21 @@ def run(args, out_root: Path) -> int:
         raise SystemExit(f"--repeats must be >= 2 (a confidence interval needs two pairs), got {args.repeats}")
     if not 1 <= args.prompts_per_step <= args.prompts:
         raise SystemExit(f"--prompts-per-step must be in 1 .. --prompts ({args.prompts}), got {args.prompts_per_step}")
-    start = time.perf_counter()
+    partial = out / "gradients_partial.json"  # each finished G: a run cut short resumes after it
     rows, grams = measure(args.model, group_sizes=group_sizes, prompts_per_step=args.prompts_per_step,
                           repeats=args.repeats, pool=args.prompts, sampler=args.sampler, task=args.task,
                           difficulty=args.difficulty, temperature=args.temperature,
-                          max_new_tokens=args.max_new_tokens, seed=args.seed, sft_steps=args.sft_steps)  # fmt: skip
+                          max_new_tokens=args.max_new_tokens, seed=args.seed, sft_steps=args.sft_steps,
+                          partial=partial)  # fmt: skip
     command = (f"grpo-kernels group-size-study --model {args.model} --gradients --group-sizes {args.group_sizes} "
                f"--prompts-per-step {args.prompts_per_step} --repeats {args.repeats} --prompts {args.prompts} "
                f"--sampler {args.sampler} --task {args.task} --difficulty {args.difficulty} "
                f"--temperature {args.temperature} --max-new-tokens {args.max_new_tokens} --seed {args.seed}"
                + (f" --sft-steps {args.sft_steps}" if args.sft_steps else ""))  # fmt: skip
-    for path in write(out, rows, grams, command=command, seconds=time.perf_counter() - start):
+    seconds = sum(r["sample_s"] + r["grad_s"] for r in rows)  # (a resumed run's earlier G's included)
+    for path in write(out, rows, grams, command=command, seconds=seconds):
         print(f"wrote {path}")
+    partial.unlink(missing_ok=True)
     print((out / "gradients.md").read_text())
     return 0
 

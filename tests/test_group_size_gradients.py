@@ -95,3 +95,27 @@ def test_bad_study_options_are_one_line_errors(tmp_path, bad):
         cli.main(["group-size-study", "--model", "tiny", "--gradients", "--out", str(tmp_path), *bad])
     assert "--" in str(err.value) and "\n" not in str(err.value)
     assert not any(tmp_path.iterdir())
+
+
+def test_a_cut_short_study_resumes_after_its_last_finished_g_with_the_same_results(tmp_path, capsys):
+    """Each finished G is kept in gradients_partial.json; a rerun skips it and ends with what one uninterrupted run
+    gives (every batch has its own seeded stream). A partial file of other arguments is refused."""
+    common = dict(prompts_per_step=3, repeats=2, pool=16, sampler="hf", task="add", difficulty=1, temperature=1.0,
+                  max_new_tokens=6, seed=0, sft_steps=30)  # fmt: skip
+    args = ["group-size-study", "--model", "tiny", "--gradients", "--group-sizes", "2,4", "--repeats", "2",
+            "--prompts-per-step", "3", "--prompts", "16", "--sampler", "hf", "--task", "add", "--sft-steps", "30",
+            "--max-new-tokens", "6", "--temperature", "1.0"]  # fmt: skip
+    cut = tmp_path / "cut" / "tiny_add_d1"
+    gg.measure("tiny", group_sizes=(2,), partial=cut / "gradients_partial.json", **common)  # cut short after G = 2
+    capsys.readouterr()
+    cli.main([*args, "--out", str(tmp_path / "cut")])
+    assert "resuming: G = 2 done before" in capsys.readouterr().out
+    assert not (cut / "gradients_partial.json").exists()  # removed once the study is complete
+    cli.main([*args, "--out", str(tmp_path / "whole")])
+    whole = tmp_path / "whole" / "tiny_add_d1"
+    key = lambda r: {k: v for k, v in r.items() if not k.endswith("_s")}  # noqa: E731 (times differ)
+    assert [key(r) for r in csv.DictReader((cut / "gradients.csv").open())] == [
+        key(r) for r in csv.DictReader((whole / "gradients.csv").open())]  # fmt: skip
+    gg.measure("tiny", group_sizes=(2,), partial=cut / "gradients_partial.json", **common)
+    with pytest.raises(SystemExit, match="was written by a run with other arguments"):
+        gg.measure("tiny", group_sizes=(2, 4), partial=cut / "gradients_partial.json", **{**common, "seed": 1})

@@ -34,6 +34,14 @@ class Hosts:
 
     def __init__(self, tag: str, hosts: dict):
         self.tag, self.hosts, self.made = tag, hosts, []
+        try:
+            self._build(hosts)
+        except Exception:
+            self.close()  # what was made before the failure goes too
+            raise
+
+    def _build(self, hosts: dict):
+        tag = self.tag
         switch = f"gksw{tag}"
         self._ns(switch)
         _ip("-n", switch, "link", "add", "br0", "type", "bridge")

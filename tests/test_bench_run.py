@@ -168,3 +168,30 @@ def test_readme_render_shows_the_latest_run_of_each_real_model_e2e_csv(tmp_path)
     assert "benchmarks/e2e_vs_trl.py --model smollm2-135m`" in section and "smollm2-135m, task arith, G = 8" in section
     assert "| `grpo-kernels train` | 8.000 | 4.000 | 10 | 100 | 0.40x |" in section
     assert "25.000" not in section and "tiny Qwen2" not in section  # the older run; no e2e_cpu.csv here
+
+
+def test_render_shows_the_group_size_studies_of_a_real_model_from_their_reports(tmp_path):
+    """The gradient-agreement and time-to-target tables come from the studies' own generated reports (their command
+    and tables, nothing typed by hand), after the claims they test; the tiny quick study is left out."""
+    from benchmarks import readme
+
+    write_csv(tmp_path / "cpu.csv", [combined_row("reference", 700.0), combined_row("cpp", 140.0)])
+    grads = tmp_path / "group_size_study" / "m_arith_d2"
+    grads.mkdir(parents=True)
+    (grads / "gradients.md").write_text("# Gradient agreement\n\nCommand: `gk --gradients` (9 s). Per G: ...\n\n"
+                                        "| G | cosine |\n|---|---|\n| 2 | 0.1 |\n")  # fmt: skip
+    learn = tmp_path / "group_size_learning" / "m"
+    learn.mkdir(parents=True)
+    (learn / "summary.md").write_text("# Learning\n\nCommand: `gk --learning`\n\n| setting | steps |\n|---|---|\n"
+                                      "| 8 | 12 |\n\n## What the adaptive schedule did\n\n| run | step |\n|---|---|\n")
+    tiny = tmp_path / "group_size_learning" / "tiny"
+    tiny.mkdir()
+    (tiny / "summary.md").write_text("Command: `quick`\n\n| setting |\n|---|\n| 2 |\n")
+    section = readme.render(tmp_path)
+    study = section.split("**Group size on a real model.**")[1]
+    assert "3,400 to 1,280" in study and "(`gk --gradients`;" in study and "| 2 | 0.1 |" in study
+    assert "(`gk --learning`;" in study and "| 8 | 12 |" in study and "### What the adaptive schedule did" in study
+    assert "quick" not in study
+    empty = tmp_path / "empty"
+    write_csv(empty / "cpu.csv", [combined_row("reference", 700.0), combined_row("cpp", 140.0)])
+    assert "Group size on a real model" not in readme.render(empty)

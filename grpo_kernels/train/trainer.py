@@ -456,17 +456,20 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
         totals["completions_sampled"] += sampled * g
         totals["sampled_tokens"] += tokens
         totals["generate_s"] += timing["rollout_generate_s"]
-        if rollout is None:  # a line that says so (no loss, reward or throughput: nothing was trained)
-            metrics = {**timing, **(sync_sampler(step + 1, changed=False) or {})}
-            metrics.update(step=step, no_update=1, invalid_group_rate=1.0, lr=scheduler.get_last_lr()[0],
-                           elapsed_s=time.perf_counter() - started, group_size=g, prompts_sampled=sampled,
-                           resample_rounds=rounds, completions_sampled=sampled * g, sampled_tokens=tokens)  # fmt: skip
+        def log_metrics(metrics: dict) -> None:  # metrics.jsonl and tensorboard, one line per step
             if out is not None:
                 out.write(json.dumps(metrics) + "\n")
                 out.flush()
             if writer is not None:
                 for key, value in metrics.items():
-                    writer.add_scalar(key, value, step)
+                    writer.add_scalar(key, value, metrics["step"])
+
+        if rollout is None:  # a line that says so (no loss, reward or throughput: nothing was trained)
+            metrics = {**timing, **(sync_sampler(step + 1, changed=False) or {})}
+            metrics.update(step=step, no_update=1, invalid_group_rate=1.0, lr=scheduler.get_last_lr()[0],
+                           elapsed_s=time.perf_counter() - started, group_size=g, prompts_sampled=sampled,
+                           resample_rounds=rounds, completions_sampled=sampled * g, sampled_tokens=tokens)  # fmt: skip
+            log_metrics(metrics)
             say(f"step {step:4d}  every sampled group was invalid: no update")
         else:
             metrics = grpo_step(policy, optimizer, rollout, loss_options=loss_options,
@@ -484,12 +487,7 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
             metrics.update(step=step, lr=scheduler.get_last_lr()[0], elapsed_s=time.perf_counter() - started,
                            group_size=g, prompts_sampled=sampled, resample_rounds=rounds,
                            completions_sampled=sampled * g, sampled_tokens=tokens)  # fmt: skip
-            if out is not None:
-                out.write(json.dumps(metrics) + "\n")
-                out.flush()
-            if writer is not None:
-                for key, value in metrics.items():
-                    writer.add_scalar(key, value, step)
+            log_metrics(metrics)
             if bar is not None:
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", invalid=f"{metrics['invalid_group_rate']:.2f}",
                                 tok_s=f"{metrics['train_tokens_per_s']:.0f}")  # fmt: skip

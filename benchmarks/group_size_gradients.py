@@ -11,7 +11,8 @@ move. Per G it reports:
 - cosine: the cosine similarity of the two batches' gradients, mean over the R pairs with a 95% t-interval (0
   where a batch has no gradient at all, every group invalid: an empty update agrees with nothing);
 - snr: the gradient's signal-to-noise ||E g|| / sqrt(tr Var g) of one batch, from the 2R gradients (the squared
-  mean norm corrected for its noise, ||mean||^2 - tr Var / 2R), with a 95% bootstrap interval over the repeats;
+  mean norm corrected for its noise, ||mean||^2 - tr Var / 2R), with a 95% delete-one-repeat jackknife interval
+  (a bootstrap over the repeats would not do: a repeat drawn twice is a perfectly agreeing pair, read as signal);
 - valid: the share of sampled completions carrying a gradient (in a group whose rewards are not all equal), and
   the batch reward.
 The gradients are kept in bf16 (cosines and norms are accumulated in fp32), two per repeat.
@@ -69,9 +70,27 @@ def snr(gram: list[list[float]]) -> float:
     return math.sqrt(signal / noise) if noise > 0 else float("nan")
 
 
-def summarize(rows: list[dict], grams: dict, *, boot: int = 2000, seed: int = 0) -> list[dict]:
-    """Per G: cosine mean and 95% t-interval, SNR with a 95% percentile bootstrap over the repeats (pairs drawn
-    with replacement), the valid share and reward of the sampled batches, seconds per batch."""
+def jackknife_snr(gram: list[list[float]]) -> tuple[float, float]:
+    """95% interval of `snr` from a delete-one-repeat jackknife over the R pairs (gradients 2k, 2k + 1 are repeat
+    k): estimate +- t(R-1) x sqrt((R-1)/R x sum (snr_-k - mean)^2), the lower end clipped at 0."""
+    n = len(gram) // 2
+    if n < 3:  # leaving one out of 2 repeats leaves one pair: an SNR of 2 gradients, no spread to speak of
+        return math.nan, math.nan
+    loo = []
+    for k in range(n):
+        keep = [i for i in range(2 * n) if i // 2 != k]
+        loo.append(snr([[gram[i][j] for j in keep] for i in keep]))
+    if any(math.isnan(v) for v in loo):
+        return math.nan, math.nan
+    mean = sum(loo) / n
+    half = T975.get(n - 1, 1.96) * math.sqrt((n - 1) / n * sum((v - mean) ** 2 for v in loo))
+    point = snr(gram)
+    return max(point - half, 0.0), point + half
+
+
+def summarize(rows: list[dict], grams: dict) -> list[dict]:
+    """Per G: cosine mean and 95% t-interval, SNR with its 95% jackknife interval over the repeats, the valid share
+    and reward of the sampled batches, seconds per batch."""
     out = []
     for g in sorted({int(r["G"]) for r in rows}):
         rs = [r for r in rows if int(r["G"]) == g]
@@ -81,15 +100,7 @@ def summarize(rows: list[dict], grams: dict, *, boot: int = 2000, seed: int = 0)
         mean = sum(cos) / n
         sd = math.sqrt(sum((c - mean) ** 2 for c in cos) / (n - 1)) if n > 1 else float("nan")
         half = T975.get(n - 1, 1.96) * sd / math.sqrt(n)
-        rng = random.Random(seed)
-        draws = []
-        for _ in range(boot if n > 1 else 0):
-            idx = [j for k in (rng.randrange(n) for _ in range(n)) for j in (2 * k, 2 * k + 1)]
-            value = snr([[gram[i][j] for j in idx] for i in idx])
-            if not math.isnan(value):
-                draws.append(value)
-        draws.sort()
-        lo, hi = (draws[int(0.025 * len(draws))], draws[int(0.975 * len(draws)) - 1]) if draws else (math.nan,) * 2
+        lo, hi = jackknife_snr(gram)
         valid = [float(r[k]) for r in rs for k in ("valid_a", "valid_b")]
         reward = [float(r[k]) for r in rs for k in ("reward_a", "reward_b")]
         out.append(dict(G=g, repeats=n, cosine=mean, cosine_ci=half, snr=snr(gram), snr_lo=lo, snr_hi=hi,
@@ -204,7 +215,7 @@ def report(out: Path) -> list[Path]:
              f"Command: `{saved['command']}` ({saved['seconds']} s sampling and computing gradients). Per G: R pairs "
              "of independent batches of the same number of prompts, G completions each; the policy gradient of each "
              "batch from the trainer's step.",
-             "", "| G | repeats | cosine (95% CI) | SNR ‖E g‖ / sqrt(tr Var g) (95% bootstrap) | valid samples | "
+             "", "| G | repeats | cosine (95% CI) | SNR ‖E g‖ / sqrt(tr Var g) (95% jackknife) | valid samples | "
              "reward | s sampling / batch | s gradient / batch |", "|---|---|---|---|---|---|---|---|",
              *[f"| {t['G']} | {t['repeats']} | {t['cosine']:.3f} ± {t['cosine_ci']:.3f} | {t['snr']:.3f} "
                f"({t['snr_lo']:.3f} - {t['snr_hi']:.3f}) | {t['valid']:.3f} | {t['reward']:.3f} | "

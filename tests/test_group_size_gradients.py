@@ -33,6 +33,25 @@ def test_snr_finds_a_known_signal_to_noise():
     assert gg.snr([[float(a @ b) for b in noise] for a in noise]) < 0.1
 
 
+def test_jackknife_interval_brackets_the_estimate_and_covers_a_known_snr():
+    """The interval of the study's shape (5 repeats, 10 gradients) contains the true SNR in most trials and lies on
+    both sides of the estimate (a bootstrap over repeats put its lower end at the estimate: duplicated repeats read
+    as signal)."""
+    g = torch.Generator().manual_seed(1)
+    d, repeats, trials, covered = 2000, 5, 40, 0
+    for _ in range(trials):
+        mu = torch.randn(d, generator=g)
+        mu *= 0.5 * math.sqrt(d) / mu.norm()
+        grads = [mu + torch.randn(d, generator=g) for _ in range(2 * repeats)]
+        gram = [[float(a @ b) for b in grads] for a in grads]
+        lo, hi = gg.jackknife_snr(gram)
+        point = gg.snr(gram)
+        assert 0.0 <= lo < point < hi
+        covered += lo <= 0.5 <= hi
+    assert covered >= 0.8 * trials
+    assert all(math.isnan(v) for v in gg.jackknife_snr([row[:4] for row in gram[:4]]))  # 2 repeats: no interval
+
+
 def test_recorded_gradient_is_the_one_an_optimizer_would_apply():
     """grpo_step with the recorder leaves the parameters alone, and what it records is exactly the step of SGD with
     lr 1 from the same parameters on the same rollout."""

@@ -147,11 +147,32 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, causal=True, scale=None
         return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, **extra)
     pieces = []
     bounds = cu_seqlens.tolist()
+    cut = _Cuts((q, k, v), bounds)
     for s, e in zip(bounds[:-1], bounds[1:], strict=True):
         if e > s:
             pos = torch.arange(e - s, device=q.device)
-            pieces.append((s, _attend(q[s:e], k[s:e], v[s:e], pos, pos, math=backend == "math", **opts)))
+            pieces.append((s, _attend(*cut(s, e), pos, pos, math=backend == "math", **opts)))
     return _assemble(pieces, q)
+
+
+class _Cuts:
+    """`x[s:e]` of each tensor for ranges whose ends are among `points`, from one split per tensor: a slice per
+    range would cost a zero-filled [T, H, D] gradient per slice in the backward (per sequence, per layer: most of
+    a CPU step at 64 sequences), a split's backward is one cat."""
+
+    def __init__(self, tensors, points):
+        total = tensors[0].shape[0]
+        self.points = sorted({0, total, *map(int, points)})
+        if self.points[0] < 0 or self.points[-1] > total:
+            raise ValueError(f"sequence bounds must lie in [0, {total}] (the packed length), got {self.points[0]} "
+                             f"and {self.points[-1]}")  # fmt: skip
+        self.index = {p: i for i, p in enumerate(self.points)}
+        sizes = [b - a for a, b in zip(self.points[:-1], self.points[1:], strict=True)]
+        self.parts = [t.split(sizes) for t in tensors]
+
+    def __call__(self, s, e):
+        i, j = self.index[s], self.index[e]
+        return tuple(parts[i] if j == i + 1 else torch.cat(parts[i:j]) for parts in self.parts)
 
 
 def _assemble(pieces, q):
@@ -225,23 +246,26 @@ def _shared_prefix_attention(q, k, v, prefix_groups, *, causal, math, **opts):
     the completion's L (P + L / 2)) are dropped."""
     plain = not math and all(opts[name] is None for name in ("window", "sinks", "softcap"))
     pieces = []
+    cut = _Cuts((q, k, v), [x for p0, p1, cs in prefix_groups for x in (p0, p1, *(b for c in cs for b in c))])
     for p0, p1, completions in prefix_groups:
         prompt_pos = torch.arange(p1 - p0, device=q.device)
         prompt_out = None
+        pq, pk, pv = cut(p0, p1)
         for s, e in completions:
             if e == s:
                 continue
-            kk, vv = torch.cat([k[p0:p1], k[s:e]]), torch.cat([v[p0:p1], v[s:e]])
+            cq, ck, cv = cut(s, e)
+            kk, vv = torch.cat([pk, ck]), torch.cat([pv, cv])
             if plain:
-                both = _sdpa(torch.cat([q[p0:p1], q[s:e]]), kk, vv, opts["scale"], causal=True)
+                both = _sdpa(torch.cat([pq, cq]), kk, vv, opts["scale"], causal=True)
                 prompt_out = both[: p1 - p0] if prompt_out is None else prompt_out
                 pieces.append((s, both[p1 - p0 :]))
                 continue
             own_pos = torch.arange(p1 - p0, p1 - p0 + e - s, device=q.device)
-            pieces.append((s, _attend(q[s:e], kk, vv, own_pos, torch.cat([prompt_pos, own_pos]), causal=True,
+            pieces.append((s, _attend(cq, kk, vv, own_pos, torch.cat([prompt_pos, own_pos]), causal=True,
                                       math=math, **opts)))  # fmt: skip
         if prompt_out is None and p1 > p0:
-            prompt_out = _attend(q[p0:p1], k[p0:p1], v[p0:p1], prompt_pos, prompt_pos, causal=True, math=math, **opts)
+            prompt_out = _attend(pq, pk, pv, prompt_pos, prompt_pos, causal=True, math=math, **opts)
         if prompt_out is not None:
             pieces.append((p0, prompt_out))
     return _assemble(pieces, q)

@@ -88,6 +88,50 @@ def test_varlen_attention_refuses_bad_feature_arguments():
             varlen_attention(q, k, v, cu, 5, **kwargs)
 
 
+def _users_of(leaf, out):
+    """The autograd nodes that pass a gradient straight to `leaf`."""
+    seen, stack, users = set(), [out.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for child, _ in node.next_functions:
+            if child is not None and getattr(child, "variable", None) is leaf:
+                users.append(type(node).__name__)
+            stack.append(child)
+    return users
+
+
+@pytest.mark.parametrize("shared_prefix", [False, True])
+def test_per_sequence_cpu_path_cuts_its_inputs_once_and_matches_dense(shared_prefix):
+    """The per-sequence path takes its q/k/v pieces from one split per tensor, not a slice per sequence (each
+    slice's backward is a zero-filled [T, H, D] gradient: per layer, per sequence; most of a CPU training step at
+    64 completions), and its forward and backward still equal dense attention."""
+    g = torch.Generator().manual_seed(5)
+    lengths = [int(x) for x in torch.randint(1, 9, (40,), generator=g)]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    t = int(cu[-1])
+    q, k, v = (torch.randn(t, h, 8, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    if shared_prefix:  # sequence 0 of each 4 is a prompt, 1-3 its completions
+        groups = [(int(cu[i]), int(cu[i + 1]), tuple((int(cu[j]), int(cu[j + 1])) for j in range(i + 1, i + 4)))
+                  for i in range(0, 40, 4)]  # fmt: skip
+        out = varlen_attention(q, k, v, cu, max(lengths), prefix_groups=groups)
+    else:
+        out = varlen_attention(q, k, v, cu, max(lengths))
+    for x in (q, k, v):  # per sequence this was a SliceBackward0 each (40)
+        assert _users_of(x, out) == ["SplitWithSizesBackward0"]
+    if not shared_prefix:
+        want = dense_attention(q, k, v, cu, causal=True, window=None, sinks=None, softcap=None)
+        torch.testing.assert_close(out, want)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        wants = torch.autograd.grad(want.square().sum(), (q, k, v))
+        for a, b in zip(grads, wants, strict=True):
+            torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="sequence bounds"):
+        varlen_attention(q, k, v, torch.tensor([0, t + 3]), t + 3)
+
+
 # Tiny configs of the decoders transformers ships with windowed, sink or soft-capped attention (and plain ones):
 # window 8 against sequences of up to 34 tokens.
 ARCHITECTURES = {

@@ -70,7 +70,8 @@ def run_overrides(args, setting: str, seed: int, run_dir: Path) -> list[str]:
             f"--sampling.prompts_per_step={args.prompts_per_step}", f"--sampling.max_new_tokens={args.max_new_tokens}",
             f"--sampling.temperature={args.temperature}", f"--optim.steps={args.max_steps}", f"--optim.lr={args.lr}",
             "--optim.grad_clip=1.0", "--loss.loss_type=dapo", "--loss.epsilon_high=0.28",
-            "--packing.shared_prefix=true", f"--logging.run_dir={run_dir}", "--checkpoint.every=5",
+            "--packing.shared_prefix=true", "--model.activation_checkpointing=none",  # short completions
+            f"--logging.run_dir={run_dir}", "--checkpoint.every=5",
             "--checkpoint.keep_last=1",
             *setting_overrides(setting, adaptive_threshold=args.adaptive_threshold)]  # fmt: skip
 
@@ -335,17 +336,25 @@ def run(args, out_root: Path | None = None) -> int:
                 start = time.perf_counter()
                 what = train_run(args, setting, seed, workdir, results)
                 print(f"{setting:>8s} seed {seed}: {what} ({time.perf_counter() - start:.0f} s)", flush=True)
-        curves, runs = collect(results, gpu)
-        _write_csv(results / "curves.csv", CURVE_COLUMNS, curves)
-        _write_csv(results / "runs.csv", RUN_COLUMNS, runs)
-    if (results / "runs").is_dir() and list((results / "runs").glob("adaptive_seed*/metrics.jsonl")):
-        _write_csv(results / "adaptive.csv", ADAPTIVE_COLUMNS, adaptive_changes(results))
+                if what != "done before":  # the CSVs and report so far: a study stopped between runs has them
+                    _collect_csvs(results, gpu)
+                    report(results, _read_csv(results / "curves.csv"), _read_csv(results / "runs.csv"),
+                           command=command_of(args), gpu=gpu)  # fmt: skip
+        _collect_csvs(results, gpu)
     if not (results / "curves.csv").exists():
         raise SystemExit(f"group-size-study: no {results / 'curves.csv'} to plot (run the study first)")
     curves, runs = _read_csv(results / "curves.csv"), _read_csv(results / "runs.csv")
     for path in report(results, curves, runs, command=command_of(args), gpu=gpu):
         print(f"wrote {path}")
     return 0
+
+
+def _collect_csvs(results: Path, gpu: dict) -> None:
+    curves, runs = collect(results, gpu)
+    _write_csv(results / "curves.csv", CURVE_COLUMNS, curves)
+    _write_csv(results / "runs.csv", RUN_COLUMNS, runs)
+    if list((results / "runs").glob("adaptive_seed*/metrics.jsonl")):
+        _write_csv(results / "adaptive.csv", ADAPTIVE_COLUMNS, adaptive_changes(results))
 
 
 def command_of(args) -> str:

@@ -76,6 +76,25 @@ def run_overrides(args, setting: str, seed: int, run_dir: Path) -> list[str]:
             *setting_overrides(setting, adaptive_threshold=args.adaptive_threshold)]  # fmt: skip
 
 
+def cpu_list(cpus: str) -> list[int]:
+    """"0" or "0,1" or "2-3" -> the CPU numbers."""
+    out = []
+    for part in cpus.split(","):
+        a, _, b = part.partition("-")
+        out += range(int(a), int(b or a) + 1)
+    return out
+
+
+def run_env(cpus: str | None) -> dict:
+    """A run's environment: with --cpus, that many torch threads and vLLM's OpenMP threads bound to those CPUs (a
+    run that shares its cores with other work, or 2 threads spinning for one core, measures that work instead)."""
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    if cpus:
+        mine = cpu_list(cpus)
+        env.update(OMP_NUM_THREADS=str(len(mine)), VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, mine)))
+    return env
+
+
 def train_run(args, setting: str, seed: int, workdir: Path, results: Path) -> str:
     """Run (or resume, or skip) one (setting, seed); returns what it did."""
     name = f"{setting}_seed{seed}"
@@ -92,8 +111,8 @@ def train_run(args, setting: str, seed: int, workdir: Path, results: Path) -> st
     with log.open("a") as f:
         f.write(f"$ {' '.join(command)}\n")
         f.flush()
-        done = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
-                              env={**os.environ, "TQDM_DISABLE": "1"})  # fmt: skip
+        done = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=run_env(args.cpus),
+                              preexec_fn=(lambda: os.sched_setaffinity(0, cpu_list(args.cpus))) if args.cpus else None)
     if done.returncode != 0:
         tail = log.read_text().strip().splitlines()[-1:] or ["(no output)"]
         raise SystemExit(f"group-size-study: run {name} failed ({log}): {tail[0]}")
@@ -328,6 +347,15 @@ def run(args, out_root: Path | None = None) -> int:
         if bad:
             raise SystemExit(f"group-size-study: unknown --settings {', '.join(bad)} (known: {', '.join(SETTINGS)})")
         seeds = [int(s) for s in args.seeds.split(",")]
+        if args.cpus:
+            try:
+                mine = cpu_list(args.cpus)
+            except ValueError:
+                raise SystemExit(f"group-size-study: --cpus {args.cpus!r}: CPU numbers expected, e.g. 0 or 0-1 or "
+                                 "0,2") from None  # fmt: skip
+            if not set(mine) <= os.sched_getaffinity(0):
+                raise SystemExit(f"group-size-study: --cpus {args.cpus}: this process may use CPUs "
+                                 f"{sorted(os.sched_getaffinity(0))} only")  # fmt: skip
         workdir = Path(args.workdir or Path.home() / ".cache" / "grpo-kernels" / "group_size_learning" / name)
         workdir.mkdir(parents=True, exist_ok=True)
         results.mkdir(parents=True, exist_ok=True)
@@ -365,7 +393,7 @@ def command_of(args) -> str:
             f"{args.eval_every} --eval-prompts {args.eval_prompts} --prompts-per-step {args.prompts_per_step} --task "
             f"{args.task} --difficulty {args.difficulty} --temperature {args.temperature} --max-new-tokens "
             f"{args.max_new_tokens} --lr {args.lr} --sampler {args.sampler} --adaptive-threshold "
-            f"{args.adaptive_threshold}")  # fmt: skip
+            f"{args.adaptive_threshold}" + (f" --cpus {args.cpus}" if args.cpus else ""))  # fmt: skip
 
 
 QUICK = {"model": "tiny", "task": "add", "difficulty": 1, "settings": "2,8", "seeds": "0", "max_steps": 4,
@@ -386,6 +414,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--adaptive-threshold", type=float, default=0.5,
                         help="--learning: group_size.invalid_rate_threshold of the adaptive setting")
     parser.add_argument("--workdir", help="--learning: where the runs and their checkpoints live")
+    parser.add_argument("--cpus", help="--learning: run the trainings on these CPUs only, one thread each (e.g. 0 or "
+                        "0-1): wall times that other work on the machine does not disturb")  # fmt: skip
     parser.add_argument("--gpu-train-tokens-per-s", type=float, default=50_000.0,
                         help="--learning, GPU model: training throughput (an input, not a measurement)")
     parser.add_argument("--gpu-decode-step-s", type=float, default=0.01,

@@ -4,6 +4,7 @@ accounting against the runs' own files, the report rebuilt from the CSVs alone, 
 import csv
 import importlib.util
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -31,7 +32,8 @@ def _jsonl(path):
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
     root = tmp_path_factory.mktemp("learning")
-    argv = ["group-size-study", "--learning", "--quick", "--out", str(root / "out"), "--workdir", str(root / "work")]
+    argv = ["group-size-study", "--learning", "--quick", "--out", str(root / "out"), "--workdir", str(root / "work"),
+            "--cpus", str(min(os.sched_getaffinity(0)))]
     cli.main(argv)
     return root, argv
 
@@ -62,6 +64,13 @@ def test_quick_study_writes_every_file_and_counts_what_the_runs_did(study):
     assert not list((root / "work").glob("*/checkpoints"))  # deleted once a run is done
 
 
+def test_cpus_give_the_runs_one_thread_per_cpu_and_vllms_threads_bound_there():
+    assert gl.cpu_list("0,2-3") == [0, 2, 3]
+    env = gl.run_env("0-1")
+    assert env["OMP_NUM_THREADS"] == "2" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
+    assert gl.run_env(None).get("OMP_NUM_THREADS") == os.environ.get("OMP_NUM_THREADS")  # untouched without
+
+
 def test_plot_only_rebuilds_the_report_from_the_csvs_alone(study, tmp_path):
     root, _ = study
     copy = tmp_path / "tiny"
@@ -85,7 +94,7 @@ def test_a_finished_run_is_not_run_again_and_a_cut_short_one_resumes(study, caps
     # a run cut short: its checkpoint is in the workdir, its results are not
     kept = out / "runs" / "8_seed0"
     shutil.rmtree(kept)
-    args = type("A", (), dict(gl.QUICK, adaptive_threshold=0.5))()
+    args = type("A", (), dict(gl.QUICK, adaptive_threshold=0.5, cpus=None))()
     work = root / "work" / "8_seed0"
     shutil.rmtree(work)
     cli.main(["train", *gl.run_overrides(args, "8", 0, work), "--optim.steps=4"])  # checkpoint at step 4
@@ -100,11 +109,14 @@ def test_a_finished_run_is_not_run_again_and_a_cut_short_one_resumes(study, caps
     ([], "--learning needs --model (or --quick)"),
     (["--model", "tiny", "--target", "0.5", "--max-steps", "0"], "--max-steps must be >= 1, got 0"),
     (["--quick", "--gradients"], "--learning and --gradients are separate studies"),
+    (["--quick", "--cpus", "first"], "--cpus 'first': CPU numbers expected"),
+    (["--quick", "--cpus", "4096"], "--cpus 4096: this process may use CPUs"),
 ])  # fmt: skip
-def test_bad_arguments_are_one_error_line(extra, message, capsys):
-    with pytest.raises(SystemExit):
-        cli.main(["group-size-study", "--learning", *extra])
-    assert message in capsys.readouterr().err
+def test_bad_arguments_are_one_error_line(extra, message, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["group-size-study", "--learning", *extra, "--out", str(tmp_path), "--workdir", str(tmp_path / "w")])
+    assert message in capsys.readouterr().err + str(exc.value.code)
+    assert not (tmp_path / "w").exists()
 
 
 def test_unknown_setting_is_an_error_before_anything_runs(tmp_path):

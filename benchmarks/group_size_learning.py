@@ -319,10 +319,15 @@ def plots(results: Path, curves: list[dict], runs: list[dict]) -> list[Path]:
     return [*paths, results / "time_to_target.png"]
 
 
-def report(results: Path, curves: list[dict], runs: list[dict], *, command: str, gpu: dict) -> list[Path]:
-    lines = ["# Group size vs learning (time to a held-out target)", "", f"Command: `{command}`", "",
-             "Per setting, over the seeds that reached the target: mean (min..max). Wall seconds are this 2-core "
-             "CPU's train + generate + weight-sync time (evaluations left out); GPU seconds are a model, not a "
+def report(results: Path, curves: list[dict], runs: list[dict], *, command: str, gpu: dict, cpus: str | None = None,
+           planned: int | None = None) -> list[Path]:
+    where = f"CPU {cpus} of this machine, one thread each (--cpus)" if cpus else "this machine's CPUs"
+    done = [] if planned is None or len(runs) >= planned else [
+        f"**In progress: {len(runs)} of the {planned} runs asked for are finished** (the study resumes where it "
+        "stopped; the table and plots hold the finished runs only).", ""]  # fmt: skip
+    lines = ["# Group size vs learning (time to a held-out target)", "", f"Command: `{command}`", "", *done,
+             f"Per setting, over the seeds that reached the target: mean (min..max). Wall seconds are the train + "
+             f"generate + weight-sync time on {where} (evaluations left out); GPU seconds are a model, not a "
              f"measurement: tokens trained / {gpu['train_tokens_per_s']:g} tokens/s + decode steps x "
              f"{gpu['decode_step_s']:g} s + tokens sampled / {gpu['sample_tokens_per_s']:g} tokens/s.", "",
              *summary_table(runs), ""]  # fmt: skip
@@ -367,14 +372,20 @@ def run(args, out_root: Path | None = None) -> int:
                 if what != "done before":  # the CSVs and report so far: a study stopped between runs has them
                     _collect_csvs(results, gpu)
                     report(results, _read_csv(results / "curves.csv"), _read_csv(results / "runs.csv"),
-                           command=command_of(args), gpu=gpu)  # fmt: skip
+                           command=command_of(args), gpu=gpu, cpus=args.cpus, planned=planned(args))  # fmt: skip
         _collect_csvs(results, gpu)
     if not (results / "curves.csv").exists():
         raise SystemExit(f"group-size-study: no {results / 'curves.csv'} to plot (run the study first)")
     curves, runs = _read_csv(results / "curves.csv"), _read_csv(results / "runs.csv")
-    for path in report(results, curves, runs, command=command_of(args), gpu=gpu):
+    for path in report(results, curves, runs, command=command_of(args), gpu=gpu, cpus=args.cpus,
+                       planned=planned(args)):  # fmt: skip
         print(f"wrote {path}")
     return 0
+
+
+def planned(args) -> int:
+    """Runs the command asks for: settings x seeds."""
+    return len(args.settings.split(",")) * len(args.seeds.split(","))
 
 
 def _collect_csvs(results: Path, gpu: dict) -> None:

@@ -49,7 +49,7 @@ CURVE_COLUMNS = ["setting", "seed", "step", "group_size", "completions", "sample
                  "eval_success_se"]  # fmt: skip
 RUN_COLUMNS = ["setting", "seed", "reached", "target", "steps", "completions", "sampled_tokens", "trained_tokens",
                "wall_s", "generate_s", "train_s", "model_gpu_s", "start_success", "end_success", "mean_group_size",
-               "invalid_rate"]  # fmt: skip
+               "invalid_rate", "all_zero_rate"]  # fmt: skip
 
 
 def setting_overrides(setting: str, *, adaptive_threshold: float) -> list[str]:
@@ -167,7 +167,14 @@ def run_row(curve: list[dict], steps: list[dict], target: float) -> dict:
             "steps": at["step"] + 1, **{k: at[k] for k in ("completions", "sampled_tokens", "trained_tokens",
                                                             "wall_s", "generate_s", "train_s", "model_gpu_s")},
             "start_success": curve[0]["eval_success"], "end_success": at["eval_success"],
-            "mean_group_size": round(mean_g, 2), "invalid_rate": round(invalid, 4)}  # fmt: skip
+            "mean_group_size": round(mean_g, 2), "invalid_rate": round(invalid, 4),
+            "all_zero_rate": _mean_of(upto, "invalid_all_zero_rate")}  # fmt: skip
+
+
+def _mean_of(rows: list[dict], key: str):
+    """Mean of rows[key] over the rows that have it, rounded ('' if none: a run from before the key was logged)."""
+    xs = [r[key] for r in rows if key in r]
+    return round(sum(xs) / len(xs), 4) if xs else ""
 
 
 def collect(results: Path, gpu: dict) -> tuple[list[dict], list[dict]]:
@@ -215,7 +222,8 @@ def _stats(values: list[float]) -> str:
 
 def summary_table(runs: list[dict]) -> list[str]:
     lines = ["| setting | runs reached / total | steps | completions | completion tokens | wall s (measured) | "
-             "generate s | train s | GPU s (model) | mean G | invalid-group rate |", "|---" * 11 + "|"]  # fmt: skip
+             "generate s | train s | GPU s (model) | mean G | invalid-group rate | all-zero groups |",
+             "|---" * 12 + "|"]  # fmt: skip
     for setting in dict.fromkeys(r["setting"] for r in runs):
         mine = [r for r in runs if r["setting"] == setting]
         hit = [r for r in mine if r["reached"]]
@@ -223,11 +231,13 @@ def summary_table(runs: list[dict]) -> list[str]:
                                                        "generate_s", "train_s", "model_gpu_s")]  # fmt: skip
         lines.append(f"| {setting} | {len(hit)} / {len(mine)} | " + " | ".join(cols) +
                      f" | {_stats([r['mean_group_size'] for r in mine])} | "
-                     f"{_stats([r['invalid_rate'] for r in mine])} |")  # fmt: skip
+                     f"{_stats([r['invalid_rate'] for r in mine])} | "
+                     f"{_stats([r['all_zero_rate'] for r in mine if r.get('all_zero_rate', '') != ''])} |")  # fmt: skip
     return lines
 
 
-ADAPTIVE_COLUMNS = ["run", "step", "g_before", "g_after", "invalid_before", "invalid_after"]
+ADAPTIVE_COLUMNS = ["run", "step", "g_before", "g_after", "invalid_before", "invalid_after", "all_zero_before",
+                    "all_zero_after"]  # fmt: skip
 WINDOW = 5  # steps averaged before and from a change of G (group_size.window's default)
 
 
@@ -244,14 +254,18 @@ def adaptive_changes(results: Path) -> list[dict]:
         rate = {r["step"]: r["invalid_group_rate"] for r in rows}
         for prev, cur in changes:
             step = cur["step"]
-            before = [v for s, v in rate.items() if step - WINDOW <= s < step]
-            after = [v for s, v in rate.items() if step <= s < step + WINDOW]
+            before = [r for r in rows if step - WINDOW <= r["step"] < step]
+            after = [r for r in rows if step <= r["step"] < step + WINDOW]
             out.append({"run": run, "step": step, "g_before": prev["group_size"], "g_after": cur["group_size"],
-                        "invalid_before": mean(before), "invalid_after": mean(after)})  # fmt: skip
+                        "invalid_before": mean([rate[r["step"]] for r in before]),
+                        "invalid_after": mean([rate[r["step"]] for r in after]),
+                        "all_zero_before": _mean_of(before, "invalid_all_zero_rate"),
+                        "all_zero_after": _mean_of(after, "invalid_all_zero_rate")})  # fmt: skip
         if not changes and rows:
             g = rows[0]["group_size"]
             out.append({"run": run, "step": -1, "g_before": g, "g_after": g,
-                        "invalid_before": mean(list(rate.values())), "invalid_after": ""})  # fmt: skip
+                        "invalid_before": mean(list(rate.values())), "invalid_after": "",
+                        "all_zero_before": _mean_of(rows, "invalid_all_zero_rate"), "all_zero_after": ""})  # fmt: skip
     return out
 
 
@@ -259,14 +273,16 @@ def adaptive_table(changes: list[dict]) -> list[str]:
     if not changes:
         return []
     lines = ["## What the adaptive schedule did", "",
-             f"| run | step | G | invalid-group rate, {WINDOW} steps before | {WINDOW} steps from it |",
-             "|---|---:|---|---:|---:|"]  # fmt: skip
+             f"| run | step | G | invalid-group rate, {WINDOW} steps before | {WINDOW} steps from it | all-zero groups "
+             f"before | from it |", "|---|---:|---|---:|---:|---:|---:|"]  # fmt: skip
     for c in changes:
+        zero_before, zero_after = ("-" if c.get(k, "") == "" else c[k] for k in ("all_zero_before", "all_zero_after"))
         if int(c["step"]) < 0:
-            lines.append(f"| {c['run']} | - | {c['g_before']} throughout | {c['invalid_before']} (whole run) | - |")
+            lines.append(f"| {c['run']} | - | {c['g_before']} throughout | {c['invalid_before']} (whole run) | - | "
+                         f"{zero_before} (whole run) | - |")  # fmt: skip
         else:
             lines.append(f"| {c['run']} | {c['step']} | {c['g_before']} -> {c['g_after']} | {c['invalid_before']} | "
-                         f"{c['invalid_after']} |")  # fmt: skip
+                         f"{c['invalid_after']} | {zero_before} | {zero_after} |")  # fmt: skip
     return lines
 
 

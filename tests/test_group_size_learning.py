@@ -61,6 +61,10 @@ def test_quick_study_writes_every_file_and_counts_what_the_runs_did(study):
         assert r["reached"] == str(evals[-1]["eval_success"] >= 1.0) and int(r["steps"]) == 4
         assert float(r["invalid_rate"]) == pytest.approx(sum(m["invalid_group_rate"] for m in steps) / len(steps),
                                                          abs=1e-4)  # fmt: skip
+        trained = [m for m in steps if not m.get("no_update")]
+        assert float(r["all_zero_rate"]) == pytest.approx(
+            sum(m["invalid_all_zero_rate"] for m in trained) / len(trained), abs=1e-4)  # fmt: skip
+        assert all(m["invalid_all_zero_rate"] <= m["invalid_group_rate"] for m in trained)
     assert not list((root / "work").glob("*/checkpoints"))  # deleted once a run is done
 
 
@@ -132,9 +136,9 @@ def test_adaptive_changes_report_when_g_grew_and_the_invalid_rate_around_it(tmp_
     step without an update counts as all invalid); a run whose G never changed gets its whole-run rate."""
     grew = tmp_path / "runs" / "adaptive_seed0"
     grew.mkdir(parents=True)
-    rows = [{"step": i, "group_size": 8 if i < 6 else 16, "invalid_group_rate": 0.6 if i < 6 else 0.3}
-            for i in range(12)]
-    rows[3] = {"step": 3, "no_update": 1, "group_size": 8, "invalid_group_rate": 1.0}
+    rows = [{"step": i, "group_size": 8 if i < 6 else 16, "invalid_group_rate": 0.6 if i < 6 else 0.3,
+             "invalid_all_zero_rate": 0.5 if i < 6 else 0.0} for i in range(12)]
+    rows[3] = {"step": 3, "no_update": 1, "group_size": 8, "invalid_group_rate": 1.0}  # no split: nothing trained
     (grew / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     flat = tmp_path / "runs" / "adaptive_seed1"
     flat.mkdir()
@@ -142,8 +146,11 @@ def test_adaptive_changes_report_when_g_grew_and_the_invalid_rate_around_it(tmp_
                                                   for i in range(4)))  # fmt: skip
     changes = gl.adaptive_changes(tmp_path)
     assert changes == [
-        dict(run="adaptive_seed0", step=6, g_before=8, g_after=16, invalid_before=0.68, invalid_after=0.3),
-        dict(run="adaptive_seed1", step=-1, g_before=8, g_after=8, invalid_before=0.2, invalid_after=""),
+        dict(run="adaptive_seed0", step=6, g_before=8, g_after=16, invalid_before=0.68, invalid_after=0.3,
+             all_zero_before=0.5, all_zero_after=0.0),
+        dict(run="adaptive_seed1", step=-1, g_before=8, g_after=8, invalid_before=0.2, invalid_after="",
+             all_zero_before="", all_zero_after=""),  # a run from before the split was logged
     ]  # fmt: skip
     table = "\n".join(gl.adaptive_table(changes))
-    assert "| adaptive_seed0 | 6 | 8 -> 16 | 0.68 | 0.3 |" in table and "| adaptive_seed1 | - | 8 throughout |" in table
+    assert "| adaptive_seed0 | 6 | 8 -> 16 | 0.68 | 0.3 | 0.5 | 0.0 |" in table
+    assert "| adaptive_seed1 | - | 8 throughout | 0.2 (whole run) | - | - (whole run) | - |" in table

@@ -44,6 +44,7 @@ def test_training_with_adaptive_g_and_dynamic_sampling(tmp_path):
             assert r["invalid_group_rate"] == 1.0 and r["resample_rounds"] == 1 and r["prompts_sampled"] >= 3
             continue
         assert r["invalid_group_rate"] == 0.0 and r["prompts_sampled"] >= 3 and r["resample_rounds"] <= 1
+        assert r["invalid_all_zero_rate"] == 0.0  # the trained groups: valid ones only
     if len(rows) >= 2:
         assert rows[-1]["group_size"] >= rows[0]["group_size"]
 
@@ -163,3 +164,7 @@ def test_a_step_where_every_group_is_invalid_writes_a_metrics_line_that_says_so(
         assert "loss" not in r and "reward" not in r
     summary = json.loads((run / "summary.json").read_text())
     assert summary["completions_sampled"] == 32
+    # without dynamic sampling the same groups are trained on (advantages 0) and the step says they are all wrong
+    main(["train", f"--logging.run_dir={tmp_path / 'plain'}", "--optim.steps=1", *EVAL_ARGS])
+    (row,) = _jsonl(tmp_path / "plain" / "metrics.jsonl")
+    assert row["reward"] == 0.0 and row["invalid_group_rate"] == 1.0 and row["invalid_all_zero_rate"] == 1.0

@@ -41,6 +41,9 @@ def test_the_rollout_gives_the_group_layout_and_the_kernels_advantages():
     assert_same_advantages(r.advantages, group_advantages(torch.tensor(REWARDS).flatten(), group_size=G))
     assert r.advantages.valid.tolist() == [True, False, True]
     assert rollout().rewards is None and rollout().advantages is None  # what the samplers return
+    zeros = rollout(4).with_rewards([0.0] * G + [0.0, 0.0, 1.0] + [1.0] * G + [0.0, -0.0, 0.0])
+    assert zeros.all_zero_fraction() == 0.5  # groups 0 and 3 (-0.0 is 0); group 1 is valid, group 2 all right
+    assert r.all_zero_fraction() == 0.0
 
 
 def test_keeping_groups_0_and_2_of_3_keeps_them_whole_with_their_own_rewards_and_advantages():

@@ -114,6 +114,12 @@ class Rollout:
         g = self.group_size
         return [sum(row) / g for row in self._scored().tolist()]
 
+    def all_zero_fraction(self) -> float:
+        """The share of groups whose every reward is 0: for 0/1 rewards the invalid groups that are all wrong (the
+        rest of the invalid groups are all right); 0.0 without groups."""
+        rows = self._scored()
+        return float((rows == 0).all(dim=1).double().mean()) if rows.shape[0] else 0.0
+
     def select(self, groups) -> "Rollout":
         """The rollout of the given groups (indices, in that order: a subset, a permutation, or repeats)."""
         groups = [int(k) for k in groups]

@@ -479,7 +479,7 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
                                 algorithm=config.packing.algorithm, dist=d,
                                 autocast_dtype=torch.bfloat16 if bf16 and not d.distributed else None)  # fmt: skip
             scheduler.step()
-            metrics.update(timing, **sync_sampler(step + 1))
+            metrics.update(timing, **sync_sampler(step + 1), invalid_all_zero_rate=rollout.all_zero_fraction())
             totals["train_s"] += metrics["train_step_s"]
             totals["sync_s"] += metrics.get("weight_sync_s", 0.0)
             if adaptive:

@@ -92,9 +92,12 @@ smollm2: setup setup-vllm setup-smollm2
 	$(PY) -m grpo_kernels.cli plot runs/smollm2-cpu
 
 # GRPO_REQUIRE_VLLM=1: the vLLM sampler test fails, rather than skips, when vllm cannot be imported.
+# Two pytest-xdist workers with one torch thread each (most tests keep one core busy, the Triton interpreter's all
+# of them); the tests that start vLLM, or processes of their own, run one at a time (tests/conftest.py, XDIST_GROUPS).
 # tests/trainers (the verl and OpenRLHF drop-ins against those packages) runs in their side venv.
+TEST_WORKERS ?= 2
 test: setup setup-vllm setup-smollm2 setup-trainers lint aot-compat
-	GRPO_REQUIRE_VLLM=1 $(PY) -m pytest -q tests
+	GRPO_REQUIRE_VLLM=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 	$(TRAINERS_VENV)/bin/python -m pytest -q tests/trainers
 
 # The documentation site (docs/, mkdocs.yml) into site/; strict: a warning (a broken link, a bad docstring) fails.

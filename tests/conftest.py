@@ -14,7 +14,32 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`make test` runs two workers on the 2-core CI machine) every process gets one torch thread
+# unless told otherwise: two OpenMP threads in a process whose second core the other worker holds spin on each
+# barrier (a 2-layer model's step took 18x longer). Subprocesses (trainers, servers) inherit it.
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 import pytest  # noqa: E402
+
+# Modules whose tests run on one worker, one at a time (pytest-xdist's --dist loadgroup): those that start vLLM
+# engines or servers (each holds GiBs, and their time limits assume no second one beside them), and those that start
+# several processes of their own (torchrun ranks, spawned workers, the benchmark runners).
+XDIST_GROUPS = {
+    "vllm": ("test_decoupled", "test_multihost", "test_smollm2", "test_train_vllm", "test_vllm_sampler"),
+    "processes": ("test_bench_run", "test_long_chains_bench", "test_sequence_parallel", "test_train_distributed",
+                  "test_train_sequence_parallel"),
+}  # fmt: skip
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
+def pytest_collection_modifyitems(config, items):
+    group_of = {module: group for group, modules in XDIST_GROUPS.items() for module in modules}
+    for item in items:
+        group = group_of.get(item.path.stem)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 # tests/trainers checks the verl and OpenRLHF drop-ins against those packages, which live in their own venv
 # (`make setup-trainers`; `make test` runs that directory there): elsewhere the directory is not collected.

@@ -21,7 +21,7 @@ wall time without the evaluations, the held-out success), runs.csv (one row per 
 seconds to the target, or "not reached"), summary.md (the table, mean and spread over seeds) and the plots:
 success_vs_samples.png, success_vs_time.png (one line per run, one colour per setting) and time_to_target.png (per
 setting, mean and min..max over the seeds; a run that did not reach the target is drawn at its total, hollow).
-Every file but the runs is rebuilt from the CSVs by --plot-only.
+--plot-only rebuilds every other file: the CSVs from the runs (where runs/ is there), the report from the CSVs.
 
 Time to target is reported as measured on this machine (train + generate + weight sync seconds, evaluations left
 out) and, labelled as a model, as the time on a GPU where the step time is set by the measured work of the step:
@@ -389,6 +389,8 @@ def run(args, out_root: Path | None = None) -> int:
                     _collect_csvs(results, gpu)
                     report(results, _read_csv(results / "curves.csv"), _read_csv(results / "runs.csv"),
                            command=command_of(args), gpu=gpu, cpus=args.cpus, planned=planned(args))  # fmt: skip
+        _collect_csvs(results, gpu)
+    elif list((results / "runs").glob("*_seed*/summary.json")):  # the CSVs again from the runs' own files
         _collect_csvs(results, gpu)
     if not (results / "curves.csv").exists():
         raise SystemExit(f"group-size-study: no {results / 'curves.csv'} to plot (run the study first)")

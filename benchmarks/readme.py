@@ -208,7 +208,7 @@ def _tables_of(md: Path) -> tuple[str, list]:
     """(the command line, the table lines) of a study's generated report."""
     text = md.read_text().splitlines()
     command = next((line.split("`")[1] for line in text if line.startswith("Command: `")), "")
-    return command, [line for line in text if line.startswith("|") or line.startswith("## ")]
+    return command, [line for line in text if line.startswith(("|", "## ", "**In progress"))]
 
 
 def study_section(results: Path) -> list:
@@ -227,6 +227,9 @@ def study_section(results: Path) -> list:
         lines += [f"Time to the held-out target, {md.parent.name} (`{command}`; plots and per-run metrics in "
                   f"`benchmarks/results/group_size_learning/{md.parent.name}/`):", "",
                   *[f"#{t}" if t.startswith("## ") else t for t in tables], ""]  # fmt: skip
+        reading = md.parent / "reading.md"  # written by hand from the results above it, committed beside them
+        if reading.exists():
+            lines += [reading.read_text().strip(), ""]
     return lines
 
 

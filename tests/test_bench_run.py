@@ -182,8 +182,11 @@ def test_render_shows_the_group_size_studies_of_a_real_model_from_their_reports(
                                         "| G | cosine |\n|---|---|\n| 2 | 0.1 |\n")  # fmt: skip
     learn = tmp_path / "group_size_learning" / "m"
     learn.mkdir(parents=True)
-    (learn / "summary.md").write_text("# Learning\n\nCommand: `gk --learning`\n\n| setting | steps |\n|---|---|\n"
-                                      "| 8 | 12 |\n\n## What the adaptive schedule did\n\n| run | step |\n|---|---|\n")
+    (learn / "summary.md").write_text("# Learning\n\nCommand: `gk --learning`\n\n**In progress: 3 of the 14 runs "
+                                      "asked for are finished** (...).\n\nPer setting ...\n\n| setting | steps |\n"
+                                      "|---|---|\n| 8 | 12 |\n\n## What the adaptive schedule did\n\n| run | step |\n"
+                                      "|---|---|\n")  # fmt: skip
+    (learn / "reading.md").write_text("Reading, by hand: G = 8 is the optimum here.\n")
     tiny = tmp_path / "group_size_learning" / "tiny"
     tiny.mkdir()
     (tiny / "summary.md").write_text("Command: `quick`\n\n| setting |\n|---|\n| 2 |\n")
@@ -191,6 +194,8 @@ def test_render_shows_the_group_size_studies_of_a_real_model_from_their_reports(
     study = section.split("**Group size on a real model.**")[1]
     assert "3,400 to 1,280" in study and "(`gk --gradients`;" in study and "| 2 | 0.1 |" in study
     assert "(`gk --learning`;" in study and "| 8 | 12 |" in study and "### What the adaptive schedule did" in study
+    assert "**In progress: 3 of the 14 runs" in study and "Per setting" not in study  # the tables, not the prose
+    assert study.index("| run | step |") < study.index("Reading, by hand: G = 8 is the optimum here.")
     assert "quick" not in study
     empty = tmp_path / "empty"
     write_csv(empty / "cpu.csv", [combined_row("reference", 700.0), combined_row("cpp", 140.0)])

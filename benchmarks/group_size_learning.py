@@ -335,6 +335,24 @@ def plots(results: Path, curves: list[dict], runs: list[dict]) -> list[Path]:
     return [*paths, results / "time_to_target.png"]
 
 
+def first_eval_table(curves: list[dict]) -> list[str]:
+    """The held-out success at every setting's first evaluation (the same number of steps for all): how far a
+    step gets with each G, whatever the target; mean (min..max) over the seeds."""
+    first = {}
+    for r in curves:
+        if r["step"] >= 0 and (r["setting"], r["seed"]) not in first:
+            first[r["setting"], r["seed"]] = r
+    if not first:
+        return []
+    lines = ["## Held-out success at the first evaluation", "",
+             "| setting | after steps | completions | GPU s (model) | held-out success |", "|---|---:|---|---|---|"]
+    for setting in dict.fromkeys(s for s, _ in first):
+        mine = [r for (s, _), r in first.items() if s == setting]
+        lines.append(f"| {setting} | {int(mine[0]['step']) + 1} | {_stats([r['completions'] for r in mine])} | "
+                     f"{_stats([r['model_gpu_s'] for r in mine])} | {_stats([r['eval_success'] for r in mine])} |")
+    return lines
+
+
 def report(results: Path, curves: list[dict], runs: list[dict], *, command: str, gpu: dict, cpus: str | None = None,
            planned: int | None = None) -> list[Path]:
     where = f"CPU {cpus} of this machine, one thread each (--cpus)" if cpus else "this machine's CPUs"
@@ -346,7 +364,7 @@ def report(results: Path, curves: list[dict], runs: list[dict], *, command: str,
              f"generate + weight-sync time on {where} (evaluations left out); GPU seconds are a model, not a "
              f"measurement: tokens trained / {gpu['train_tokens_per_s']:g} tokens/s + decode steps x "
              f"{gpu['decode_step_s']:g} s + tokens sampled / {gpu['sample_tokens_per_s']:g} tokens/s.", "",
-             *summary_table(runs), ""]  # fmt: skip
+             *summary_table(runs), "", *first_eval_table(curves), ""]  # fmt: skip
     adaptive = adaptive_table(_read_csv(results / "adaptive.csv") if (results / "adaptive.csv").exists() else [])
     lines += [*adaptive, ""] if adaptive else []
     (results / "summary.md").write_text("\n".join(lines))

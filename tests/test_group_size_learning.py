@@ -66,6 +66,11 @@ def test_quick_study_writes_every_file_and_counts_what_the_runs_did(study):
             sum(m["invalid_all_zero_rate"] for m in trained) / len(trained), abs=1e-4)  # fmt: skip
         assert all(m["invalid_all_zero_rate"] <= m["invalid_group_rate"] for m in trained)
     assert not list((root / "work").glob("*/checkpoints"))  # deleted once a run is done
+    summary = (out / "summary.md").read_text()
+    assert "## Held-out success at the first evaluation" in summary
+    for g in (2, 8):
+        first = next(r for r in _rows(out / "curves.csv") if r["setting"] == str(g) and int(r["step"]) >= 0)
+        assert f"| {g} | 2 | {8 * g} | " in summary and f"| {float(first['eval_success']):.4g} |" in summary
 
 
 def test_cpus_give_the_runs_one_thread_per_cpu_and_vllms_threads_bound_there():

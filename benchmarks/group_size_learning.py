@@ -204,7 +204,7 @@ def _read_csv(path: Path) -> list[dict]:
         rows = list(csv.DictReader(f))
     for r in rows:
         for k, v in r.items():
-            if k == "setting":
+            if k in ("setting", "run"):  # names, even when they look like numbers ("16")
                 continue
             if v in ("True", "False"):
                 r[k] = v == "True"

@@ -156,6 +156,7 @@ def test_adaptive_changes_report_when_g_grew_and_the_invalid_rate_around_it(tmp_
         dict(run="adaptive_seed1", step=-1, g_before=8, g_after=8, invalid_before=0.2, invalid_after="",
              all_zero_before="", all_zero_after=""),  # a run from before the split was logged
     ]  # fmt: skip
-    table = "\n".join(gl.adaptive_table(changes))
+    gl._write_csv(tmp_path / "adaptive.csv", gl.ADAPTIVE_COLUMNS, changes)  # the report reads them back from it
+    table = "\n".join(gl.adaptive_table(gl._read_csv(tmp_path / "adaptive.csv")))
     assert "| adaptive_seed0 | 6 | 8 -> 16 | 0.68 | 0.3 | 0.5 | 0.0 |" in table
     assert "| adaptive_seed1 | - | 8 throughout | 0.2 (whole run) | - | - (whole run) | - |" in table

@@ -110,16 +110,18 @@ def _grpo_loss_fwd_kernel(
     if HAS_KL:
         log_beta = tl.log(beta)
     # The value sums (loss, dl/dw, ratio, KL, sampler diff) in fp64: a chunk's sum of finite fp32 terms may pass
-    # FLT_MAX where the mean the loss takes of it does not. The counts stay fp32 (exact to 2^24 per chunk).
-    acc_loss = tl.zeros((BLOCK,), dtype=tl.float64)
+    # FLT_MAX where the mean the loss takes of it does not. Each block's terms are summed in fp64 into one fp64
+    # value per sum ([1]): five BLOCK-wide fp64 accumulators live across the loop spilled registers on sm_90a
+    # (Triton 3.6, cispo with every input). The counts stay BLOCK-wide fp32 (exact to 2^24 per chunk).
+    acc_loss = tl.zeros((1,), dtype=tl.float64)
     acc_n = tl.zeros((BLOCK,), dtype=tl.float32)
-    acc_dw = tl.zeros((BLOCK,), dtype=tl.float64)
+    acc_dw = tl.zeros((1,), dtype=tl.float64)
     acc_low = tl.zeros((BLOCK,), dtype=tl.float32)
     acc_high = tl.zeros((BLOCK,), dtype=tl.float32)
     acc_region = tl.zeros((BLOCK,), dtype=tl.float32)
-    acc_ratio = tl.zeros((BLOCK,), dtype=tl.float64)
-    acc_kl = tl.zeros((BLOCK,), dtype=tl.float64)
-    acc_diff = tl.zeros((BLOCK,), dtype=tl.float64)
+    acc_ratio = tl.zeros((1,), dtype=tl.float64)
+    acc_kl = tl.zeros((1,), dtype=tl.float64)
+    acc_diff = tl.zeros((1,), dtype=tl.float64)
     for i in range(0, CHUNK, BLOCK):
         offs = chunk_start + i + tl.arange(0, BLOCK)
         inb = offs < end
@@ -180,7 +182,8 @@ def _grpo_loss_fwd_kernel(
                 dpol_dw = dpol_dw * r
                 direct = direct * r
             diff = tl.abs(lp - sampler)
-            acc_diff += tl.where(on & (diff == diff), m * tl.minimum(diff, FLT_MAX), 0.0).to(tl.float64)  # nan_to_num
+            acc_diff += tl.sum(tl.where(on & (diff == diff), m * tl.minimum(diff, FLT_MAX), 0.0).to(tl.float64),
+                               axis=0)  # nan_to_num
         if HAS_KL:  # beta k3 k, k3 = exp(ref - logp) - (ref - logp) - 1, k = w with the bias correction, else 1
             dr = tl.load(ref_ptr + offs, mask=inb, other=0.0) - lp
             # beta exp(dr) and beta exp(dr) w as single exps: finite wherever the products are, even when
@@ -200,17 +203,17 @@ def _grpo_loss_fwd_kernel(
                 kl_term = be - beta * (dr + 1.0)
                 direct = direct + (beta - be)
             pol = pol + kl_term
-            acc_kl += tl.where(on, m * (kl_term / beta), 0.0).to(tl.float64)
+            acc_kl += tl.sum(tl.where(on, m * (kl_term / beta), 0.0).to(tl.float64), axis=0)
         if SEQ_LEVEL:
             coef = m * direct
-            acc_dw += tl.where(on, m * dpol_dw, 0.0).to(tl.float64)
+            acc_dw += tl.sum(tl.where(on, m * dpol_dw, 0.0).to(tl.float64), axis=0)
         else:
             coef = m * (_times_w(dpol_dw, w) + direct)
         if LOSS != 3:  # a NaN loss term has a NaN gradient (vespo's -phi A is its gradient even for a NaN logp)
             coef = tl.where(pol != pol, pol, coef)
         coef = tl.where(on, coef, 0.0)
         tl.store(coef_ptr + offs, coef, mask=inb)
-        acc_loss += tl.where(on, m * pol, 0.0).to(tl.float64)
+        acc_loss += tl.sum(tl.where(on, m * pol, 0.0).to(tl.float64), axis=0)
         acc_n += m
         if LOSS == 3:
             acc_low += tl.where(on, m * phi, 0.0)
@@ -218,7 +221,7 @@ def _grpo_loss_fwd_kernel(
             acc_low += tl.where(on & low, m, 0.0)
             acc_high += tl.where(on & high, m, 0.0)
             acc_region += tl.where(on & (low | high), m, 0.0)
-        acc_ratio += tl.where(on, m * w, 0.0).to(tl.float64)
+        acc_ratio += tl.sum(tl.where(on, m * w, 0.0).to(tl.float64), axis=0)
     out = partial_ptr + pid * 9  # fp64
     tl.store(out, tl.sum(acc_loss, axis=0))
     tl.store(out + 1, tl.sum(acc_n, axis=0).to(tl.float64))

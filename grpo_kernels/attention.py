@@ -168,10 +168,12 @@ class _Cuts:
                              f"and {self.points[-1]}")  # fmt: skip
         self.index = {p: i for i, p in enumerate(self.points)}
         sizes = [b - a for a, b in zip(self.points[:-1], self.points[1:], strict=True)]
-        self.parts = [t.split(sizes) for t in tensors]
+        self.tensors, self.parts = tensors, [t.split(sizes) for t in tensors]
 
     def __call__(self, s, e):
         i, j = self.index[s], self.index[e]
+        if j <= i:  # an empty range (an empty prompt): an empty slice, as x[s:e] gives
+            return tuple(t[s:s] for t in self.tensors)
         return tuple(parts[i] if j == i + 1 else torch.cat(parts[i:j]) for parts in self.parts)
 
 

@@ -128,6 +128,10 @@ def test_per_sequence_cpu_path_cuts_its_inputs_once_and_matches_dense(shared_pre
         wants = torch.autograd.grad(want.square().sum(), (q, k, v))
         for a, b in zip(grads, wants, strict=True):
             torch.testing.assert_close(a, b)
+    if shared_prefix:  # a group with an empty prompt: its completions attend to themselves only
+        empty = [(int(cu[0]), int(cu[0]), ((int(cu[0]), int(cu[1])),))]
+        alone = varlen_attention(q, k, v, cu[:2], lengths[0], prefix_groups=empty)[: lengths[0]]
+        torch.testing.assert_close(alone, varlen_attention(q, k, v, cu[:2], lengths[0])[: lengths[0]])
     with pytest.raises(ValueError, match="sequence bounds"):
         varlen_attention(q, k, v, torch.tensor([0, t + 3]), t + 3)
 

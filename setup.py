@@ -6,6 +6,8 @@ Install without build isolation so the extension compiles against the torch alre
 
 import glob
 import os
+import sys
+import sysconfig
 
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
@@ -17,4 +19,18 @@ def extension():
                         extra_link_args=["-fopenmp"])  # fmt: skip
 
 
-setup(ext_modules=[extension()], cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)})
+class BuildInTree(BuildExtension.with_options(use_ninja=True)):
+    """An in-place build (an editable install, `setup.py build_ext --inplace`) keeps its objects and ninja file in
+    ./build, not in the fresh temporary directory an editable install is given: the next in-place build, or
+    editable reinstall (another extra), recompiles only what changed instead of every file (~5 CPU-minutes)."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if self.inplace or getattr(self, "editable_mode", False):
+            here = os.path.dirname(os.path.abspath(__file__))
+            plat = f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
+            self.build_temp = os.path.join(here, "build", plat)
+
+
+if __name__ == "__main__":  # as pip and `python setup.py` run it; a test imports BuildInTree
+    setup(ext_modules=[extension()], cmdclass={"build_ext": BuildInTree})

@@ -74,3 +74,30 @@ def test_wheel_installs_into_a_clean_venv_and_works_from_any_directory(dist, tmp
     assert out.startswith("ok " + str(purelib)), out
     help_text = _run(venv / "bin" / "grpo-kernels", "--help", cwd=where, env=env)
     assert "train" in help_text and "prepare-model" in help_text
+
+
+@pytest.mark.parametrize("mode", ["inplace", "editable_mode", None])
+def test_in_place_builds_keep_their_objects_in_the_tree(mode):
+    """An editable install is given a fresh temporary build directory; setup.py's build_ext puts the objects of
+    every in-place build in ./build instead, so `make setup`'s editable installs and `make build` compile the
+    extension once (ninja reuses the objects) rather than three times. A wheel build keeps setuptools' default."""
+    import importlib.util
+
+    from setuptools import Distribution
+
+    spec = importlib.util.spec_from_file_location("grpo_setup", ROOT / "setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # defines the command; setup() runs only as __main__
+    attrs = {"name": "x", "ext_modules": [module.extension()], "cmdclass": {"build_ext": module.BuildInTree}}
+    dist = Distribution(attrs)
+    cmd = dist.get_command_obj("build_ext")
+    build = dist.get_command_obj("build")
+    build.build_temp = "/elsewhere/tmp"  # what editable_wheel sets
+    if mode:
+        setattr(cmd, mode, True)
+    cmd.ensure_finalized()
+    plat = f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
+    if mode:
+        assert Path(cmd.build_temp) == ROOT / "build" / plat
+    else:
+        assert cmd.build_temp == "/elsewhere/tmp"

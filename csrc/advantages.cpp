@@ -37,8 +37,6 @@
 //   * Offsets are checked inside the parallel loop (0 <= start < end <= N) and reported after it: bad offsets
 //     raise instead of reading out of bounds, without an extra pass. No per-group heap allocation.
 
-#include <torch/extension.h>
-
 #include "grpo_ops.h"
 
 #include <ATen/OpMathType.h>
@@ -555,18 +553,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_adv
   return {adv, valid, mean, sd, at::full({}, frac, f32)};
 }
 
-void init_advantages(pybind11::module_& m) {
-  m.def("group_advantages", &group_advantages,
-        "Group-relative advantages (CPU). rewards [N, K] (fp16/bf16/fp32/fp64, any strides), weights [K] fp32,\n"
-        "group_offsets [G+1] int32/int64 or None (then contiguous groups of group_size), scale in\n"
-        "{'group', 'batch', 'none'}. Returns (advantages [N] f32, valid [G] bool, group_mean [G] f32,\n"
-        "group_std [G] f32, invalid_fraction [] f32). Spec: grpo_kernels.reference.group_advantages.",
-        py::arg("rewards"), py::arg("weights"), py::arg("group_offsets"), py::arg("group_size"), py::arg("scale"),
-        py::arg("eps"), py::arg("unbiased"), py::arg("min_std"), py::call_guard<py::gil_scoped_release>());
-  m.def(
-      "set_cpu_simd", [](bool on) { grpo::advantages::avx512::enabled.store(on); },
-      "Allow (default) or forbid the AVX-512 paths; returns nothing. For testing the portable code.", py::arg("on"));
-  m.def(
-      "cpu_simd", [] { return grpo::advantages::avx512::supported(); },
-      "True when the AVX-512 paths run: the CPU has them and set_cpu_simd did not turn them off.");
-}
+namespace grpo {
+void set_advantages_simd(bool on) { advantages::avx512::enabled.store(on); }
+bool advantages_simd() { return advantages::avx512::supported(); }
+}  // namespace grpo

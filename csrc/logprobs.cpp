@@ -326,22 +326,7 @@ at::Tensor selective_logprobs_backward(const at::Tensor& grad_logps, const std::
 
 }  // namespace grpo::logprobs
 
-void init_logprobs(pybind11::module_& m) {
-  namespace py = pybind11;
-  namespace lp = grpo::logprobs;
-  m.def("selective_logprobs", &lp::selective_logprobs,
-        "log softmax(logits / temperature)[ids] (CPU, one pass per row). logits [T, V] fp32/bf16/fp16 (last-dim\n"
-        "stride 1), ids [T] int64. Returns (logps [T] f32, entropy [T] f32 or [0], lse [T] f32).",
-        py::arg("logits"), py::arg("ids"), py::arg("temperature"), py::arg("return_entropy"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("selective_logprobs_backward", &lp::selective_logprobs_backward,
-        "d logits of selective_logprobs (CPU): (g (onehot - p) - gH p (z - lse + H)) / temperature, with logits'\n"
-        "shape and dtype (contiguous), or written into logits when inplace.",
-        py::arg("grad_logps"), py::arg("grad_entropy"), py::arg("logits"), py::arg("ids"), py::arg("lse"),
-        py::arg("entropy"), py::arg("temperature"), py::arg("inplace"), py::call_guard<py::gil_scoped_release>());
-  m.def(
-      "set_logprobs_simd", [](bool on) { lp::simd_enabled.store(on); },
-      "Allow (default) or forbid the AVX-512 logprobs path; returns nothing. For testing the portable code.",
-      py::arg("on"));
-  m.def("logprobs_simd", &lp::simd, "True when the AVX-512 logprobs path runs.");
-}
+namespace grpo {
+void set_logprobs_simd(bool on) { logprobs::simd_enabled.store(on); }
+bool logprobs_simd() { return logprobs::simd(); }
+}  // namespace grpo

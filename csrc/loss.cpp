@@ -235,26 +235,7 @@ at::Tensor grpo_loss_bwd(const at::Tensor& a, const at::Tensor& b, const at::Ten
 
 }  // namespace grpo::loss
 
-void init_loss(pybind11::module_& m) {
-  namespace py = pybind11;
-  namespace gl = grpo::loss;
-  m.def("grpo_loss_fwd", &gl::grpo_loss_fwd,
-        "GRPO policy loss forward (CPU): flat [T] logps (f32/bf16/f16), old/ref/sampler/mask f32 [T] or None,\n"
-        "advantages f32 [B] or [T] (adv_per_token), cu_seqlens int64 [B + 1]. Returns (stats [B, 11] f64, coef [T] f32); see\n"
-        "grpo_kernels/ops/loss.py.",
-        py::arg("logps"), py::arg("old_logps"), py::arg("ref_logps"), py::arg("sampler_logps"), py::arg("advantages"),
-        py::arg("adv_per_token"), py::arg("mask"), py::arg("cu_seqlens"), py::arg("loss_family"), py::arg("seq_level"), py::arg("sampler_mode"),
-        py::arg("eps_low"), py::arg("eps_high"), py::arg("delta"), py::arg("beta"), py::arg("bias_kl"),
-        py::arg("sampler_cap"), py::arg("tau_pos"), py::arg("tau_neg"), py::arg("vespo_k_pos"),
-        py::arg("vespo_lambda_pos"), py::arg("vespo_k_neg"), py::arg("vespo_lambda_neg"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("grpo_loss_bwd", &gl::grpo_loss_bwd,
-        "GRPO policy loss backward (CPU): grad [T] f32 = a[s] coef (+ b[s] mask, 1 without one, when seq_level).",
-        py::arg("a"), py::arg("b"), py::arg("coef"), py::arg("mask"), py::arg("cu_seqlens"), py::arg("seq_level"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def(
-      "set_loss_simd", [](bool on) { gl::simd_enabled.store(on); },
-      "Allow (default) or forbid the AVX-512 grpo_loss path; returns nothing. For testing the portable code.",
-      py::arg("on"));
-  m.def("loss_simd", &gl::simd, "True when the AVX-512 grpo_loss path runs.");
-}
+namespace grpo {
+void set_loss_simd(bool on) { loss::simd_enabled.store(on); }
+bool loss_simd() { return loss::simd(); }
+}  // namespace grpo

@@ -208,8 +208,8 @@ std::vector<Parts> plan(const std::vector<int64_t>& w, int64_t budget, int64_t n
   }
 }
 
-pybind11::list plan_micro_batches(const at::Tensor& weights, int64_t token_budget, int64_t num_ranks,
-                                  int64_t algorithm) {
+std::vector<std::vector<std::vector<int64_t>>> plan_micro_batches(const at::Tensor& weights, int64_t token_budget,
+                                                                  int64_t num_ranks, int64_t algorithm) {
   TORCH_CHECK(weights.dim() == 1 && weights.scalar_type() == at::kLong && weights.device().is_cpu(),
               "weights must be a 1-D int64 CPU tensor");
   TORCH_CHECK(token_budget >= 1 && num_ranks >= 1 && (algorithm == 0 || algorithm == 1),
@@ -218,31 +218,7 @@ pybind11::list plan_micro_batches(const at::Tensor& weights, int64_t token_budge
   const at::Tensor c = weights.contiguous();
   std::vector<int64_t> w(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
   for (int64_t x : w) TORCH_CHECK(x >= 0, "weights must be >= 0");
-  std::vector<Parts> result;
-  {
-    pybind11::gil_scoped_release release;
-    result = plan(w, token_budget, num_ranks, algorithm);
-  }
-  pybind11::list ranks;
-  for (const auto& parts : result) {
-    pybind11::list mbs;
-    for (const auto& part : parts) {
-      pybind11::list items(part.size());
-      for (size_t j = 0; j < part.size(); ++j) items[j] = pybind11::int_(part[j]);
-      mbs.append(std::move(items));
-    }
-    ranks.append(std::move(mbs));
-  }
-  return ranks;
+  return plan(w, token_budget, num_ranks, algorithm);  // the binding releases the GIL around the call
 }
 
 }  // namespace grpo::packing
-
-void init_packing(pybind11::module_& m) {
-  namespace py = pybind11;
-  m.def("plan_micro_batches", &grpo::packing::plan_micro_batches,
-        "Token-budget micro-batch plan (CPU, host-side): item weights int64 [n] (>= 0), token_budget, num_ranks,\n"
-        "algorithm (0 = karmarkar_karp, 1 = greedy). Returns rank -> micro-batch -> item indices (nested lists);\n"
-        "see grpo_kernels/planner.py.",
-        py::arg("weights"), py::arg("token_budget"), py::arg("num_ranks"), py::arg("algorithm"));
-}

@@ -141,18 +141,18 @@ def test_decoupled_k1_on_two_servers_trains_the_tiny_task(tmp_path):
     """max_staleness = 1, one trainer rank, two servers: step s trains on a batch sampled with the weights of step
     s - 1 (the server-reported version), corrected with the sampler's log-probs; the reward still rises."""
     _require_vllm()
-    rows, proc = _train(tmp_path / "run", ["--optim.steps=100", "--optim.lr=5e-4", "--sampling.group_size=8",
+    rows, proc = _train(tmp_path / "run", ["--optim.steps=60", "--optim.lr=5e-4", "--sampling.group_size=8",
                                            "--sampling.prompts_per_step=16", "--task.num_eval_prompts=128",
                                            "--sampling.placement=decoupled", "--sampling.max_staleness=1",
                                            "--sampling.servers=2"])  # fmt: skip
     assert "rollout servers: 2 started" in proc.stdout
     assert 'loss.sampler_is_mode "token_truncate"' in proc.stdout
-    assert [r["rollout_staleness"] for r in rows] == [0] + [1] * 99
+    assert [r["rollout_staleness"] for r in rows] == [0] + [1] * 59
     assert all(r["weight_sync_logp_max_diff"] <= 1e-4 for r in rows)
     # Stale batches: the trainer's probabilities differ from the sampler's (both servers are used, same weights).
     assert max(r["is_ratio_max"] for r in rows[1:]) > 1.05 and min(r["is_ratio_min"] for r in rows[1:]) < 0.95
     assert rows[0]["is_ratio_max"] == pytest.approx(1.0, abs=1e-3)  # step 0's batch is on-policy
-    first, last = (sum(r["reward"] for r in rows[a : a + 20]) / 20 for a in (0, 80))
+    first, last = (sum(r["reward"] for r in rows[a : a + 20]) / 20 for a in (0, 40))
     assert last > first + 0.05, (first, last)
     for key in ("rollout_generate_s", "rollout_wait_s", "train_step_s", "weight_sync_s"):
         assert all(r[key] >= 0 for r in rows), key
@@ -211,17 +211,17 @@ def test_a_dead_server_ends_the_run_with_one_line_and_the_run_resumes(tmp_path):
     assert all(r["weight_sync_logp_max_diff"] <= 1e-4 for r in rows[step:])
 
 
-def test_a_killed_trainer_takes_its_servers_down(tmp_path):
+def test_a_killed_trainer_takes_its_server_down(tmp_path):
+    """SIGKILL to the trainer: its server (each server watches its own parent) goes down within 45 s."""
     _require_vllm()
     run = tmp_path / "run"
     args = ["--optim.steps=200", "--sampling.group_size=4", "--sampling.prompts_per_step=4",
-            "--task.num_eval_prompts=8", "--sampling.placement=decoupled", "--sampling.servers=2",
-            "--logging.log_every=1"]  # fmt: skip
+            "--task.num_eval_prompts=8", "--sampling.placement=decoupled", "--logging.log_every=1"]  # fmt: skip
     proc = subprocess.Popen(_command(run, args), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env=_env())  # fmt: skip
     _wait_for_line(proc, "step    2", timeout=300)
     groups = _server_groups(run)
-    assert len(groups) == 2
+    assert len(groups) == 1
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)
     deadline = time.monotonic() + 45

@@ -4,6 +4,10 @@ beside a vLLM test under `make test`'s two workers), and the collected tests car
 from pathlib import Path
 
 import conftest
+import pytest
+import torch
+import triton
+import triton.language as tl
 
 TESTS = Path(__file__).resolve().parent
 
@@ -31,3 +35,40 @@ def test_collected_tests_carry_their_modules_group(request):
     items = [Item("test_decoupled"), Item("test_train_distributed"), Item("test_loss")]
     conftest.pytest_collection_modifyitems(None, items)
     assert [[m.args for m in i.marks] for i in items] == [[("vllm",)], [("processes",)], []]
+
+
+@triton.jit
+def _twice(x):
+    return x * 2.0
+
+
+@triton.jit
+def _doubling_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.load(x_ptr + offsets)
+    for _ in tl.static_range(STEPS):
+        acc = _twice(acc)
+    tl.store(out_ptr + offsets, acc)
+
+
+def test_the_interpreter_patches_triton_language_once_per_launch_and_helpers_still_compute(triton_device):
+    """conftest's speed-up of Triton's interpreter: one patch of triton.language per launch however many helper
+    calls the kernel makes (it was one per helper call), and a kernel calling a helper in a loop still computes."""
+    if triton_device != "cpu":
+        pytest.skip("the interpreter runs only without a GPU")
+    assert conftest.TRITON_INTERPRETER_PATCHED_ONCE, "Triton's interpreter internals changed: see conftest"
+    calls, original = [], conftest.INTERPRETER_PATCH["original"]
+
+    def counting(fn):
+        calls.append(fn.__name__)
+        return original(fn)
+
+    conftest.INTERPRETER_PATCH["original"] = counting
+    try:
+        x = torch.randn(3 * 16)
+        out = torch.empty_like(x)
+        _doubling_kernel[(3,)](x, out, BLOCK=16, STEPS=5)
+    finally:
+        conftest.INTERPRETER_PATCH["original"] = original
+    assert torch.equal(out, x * 32.0)
+    assert calls == ["_doubling_kernel"], calls  # without the speed-up: the kernel's, then 15 of '_twice'

@@ -18,19 +18,15 @@ ARGS = ["--optim.steps=3", "--optim.lr=2e-2", "--sampling.group_size=4", "--samp
         "--task.num_eval_prompts=4", "--packing.token_budget=64", "--sampling.sampler=vllm"]  # fmt: skip
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.distributed)])
-def test_training_with_the_vllm_sampler_keeps_sampler_and_trainer_log_probs_equal(tmp_path, ranks):
+def _require_vllm():
     if importlib.util.find_spec("vllm") is None:
         if os.environ.get("GRPO_REQUIRE_VLLM") == "1":
             pytest.fail("vllm is not importable (GRPO_REQUIRE_VLLM=1)")
         pytest.skip("vllm is not importable")
-    run = tmp_path / "run"
-    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else []
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, *launch, "-m", "grpo_kernels.cli", "train", f"--logging.run_dir={run}",
-                           *ARGS], capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def _check_synced(run) -> None:
+    """Three steps, at least one update, and the sampler's log-probs the trainer's at every step."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert any(r["grad_norm"] > 0 for r in rows[:2]), "no update: the sync would be untested"
@@ -39,18 +35,31 @@ def test_training_with_the_vllm_sampler_keeps_sampler_and_trainer_log_probs_equa
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
+def test_training_with_the_vllm_sampler_on_two_ranks_keeps_sampler_and_trainer_log_probs_equal(tmp_path):
+    """One engine per rank. (One process: the first run of the resume test below.)"""
+    _require_vllm()
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "grpo_kernels.cli", "train", f"--logging.run_dir={run}", *ARGS],
+                          capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _check_synced(run)
+
+
+@pytest.mark.slow
 def test_a_resumed_run_sends_the_checkpoints_weights_to_the_vllm_sampler(tmp_path):
     """Resume with the colocated vLLM engine: the engine starts from the initial model, so the checkpoint's weights
-    must reach it before the first rollout (the step after resuming has on-policy sampler log-probs)."""
-    if importlib.util.find_spec("vllm") is None:
-        if os.environ.get("GRPO_REQUIRE_VLLM") == "1":
-            pytest.fail("vllm is not importable (GRPO_REQUIRE_VLLM=1)")
-        pytest.skip("vllm is not importable")
+    must reach it before the first rollout (the step after resuming has on-policy sampler log-probs). The first
+    run is also the one-process check of the weight sync."""
+    _require_vllm()
     run = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     first = subprocess.run([sys.executable, "-m", "grpo_kernels.cli", "train", f"--logging.run_dir={run}", *ARGS,
                             "--checkpoint.every=2"], capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
     assert first.returncode == 0, first.stderr[-4000:]
+    _check_synced(run)
     again = subprocess.run([sys.executable, "-m", "grpo_kernels.cli", "train", "--resume", str(run),
                             "--checkpoint.resume_step=2"],
                            capture_output=True, text=True, timeout=600, env=env)  # fmt: skip

@@ -75,13 +75,16 @@ TRITON_INTERPRETER_PATCHED_ONCE = (
     os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and _patch_once_per_launch()
 )
 
-# Modules whose tests run on one worker, one at a time (pytest-xdist's --dist loadgroup): those that start vLLM
-# engines or servers (each holds GiBs, and their time limits assume no second one beside them), and those that start
-# several processes of their own (torchrun ranks, spawned workers, the benchmark runners).
+# Modules whose tests run on one worker, one at a time (pytest-xdist's --dist loadgroup): those that start several
+# processes of their own (torchrun ranks, spawned workers, the benchmark runners), and the vLLM modules whose
+# module-scoped fixture (a converted model, an engine) would otherwise be built once per worker. The other vLLM tests
+# are spread over both workers (at most two engines or servers at once, a few GiB each): as one group they were the
+# suite's critical path (~980 s of CPU on one worker, each `vllm serve` start ~35-50 s of CPU).
 XDIST_GROUPS = {
-    "vllm": ("test_decoupled", "test_multihost", "test_smollm2", "test_train_vllm", "test_vllm_sampler"),
     "processes": ("test_bench_run", "test_long_chains_bench", "test_sequence_parallel", "test_train_distributed",
                   "test_train_sequence_parallel"),
+    "smollm2": ("test_smollm2",),
+    "vllm_sampler": ("test_vllm_sampler",),
 }  # fmt: skip
 
 

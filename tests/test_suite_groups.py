@@ -1,5 +1,6 @@
-"""The suite's own layout: every module named in conftest's XDIST_GROUPS exists (a renamed one would silently run
-beside a vLLM test under `make test`'s two workers), and the collected tests carry their group's mark."""
+"""The suite's own layout: every module named in conftest's XDIST_GROUPS exists (a renamed one would silently be
+spread over `make test`'s two workers: its processes beside another group's, its module fixture built twice), the
+collected tests carry their group's mark, and conftest's speed-up of Triton's interpreter holds."""
 
 from pathlib import Path
 
@@ -32,9 +33,15 @@ def test_collected_tests_carry_their_modules_group(request):
         def add_marker(self, mark):
             self.marks.append(mark)
 
-    items = [Item("test_decoupled"), Item("test_train_distributed"), Item("test_loss")]
+    if getattr(request.config.option, "loadgroup", False):  # a pytest-xdist worker under --dist loadgroup
+        for item in request.session.items:  # xdist schedules by the "@group" suffix it puts on the node id
+            group = group_of.get(item.path.stem)
+            assert ("@" in item.nodeid) == (group is not None), item.nodeid
+            assert group is None or item.nodeid.endswith(f"@{group}"), item.nodeid
+
+    items = [Item("test_smollm2"), Item("test_train_distributed"), Item("test_loss"), Item("test_decoupled")]
     conftest.pytest_collection_modifyitems(None, items)
-    assert [[m.args for m in i.marks] for i in items] == [[("vllm",)], [("processes",)], []]
+    assert [[m.args for m in i.marks] for i in items] == [[("smollm2",)], [("processes",)], [], []]
 
 
 @triton.jit

@@ -328,10 +328,26 @@ def measure(provider: str, point: dict, *, model_dir: str, cap_mb: float, scratc
         return {"status": "over_cap"}
     if proc.returncode == 0:  # every process ended well, but not every rank's result line arrived
         return {"status": f"failed: {len(results)} of {sp} result lines"}
-    lines = proc.stderr.strip().splitlines() or ["no output"]
-    # torchrun ends with a banner of '=' lines: name the error line above it, not the banner
-    tail = next((x for x in reversed(lines) if "Error" in x or "error:" in x), lines[-1])
-    return {"status": f"failed: {tail.strip()[:160]}"}
+    return {"status": f"failed: {failure_reason(proc.returncode, proc.stderr)}"}
+
+
+def failure_reason(returncode: int, stderr: str) -> str:
+    """One line on why a measurement process failed: the exception a rank raised (not torchrun's own
+    ChildFailedError, which only says that a rank failed) and, under torchrun, the root cause's exit code or signal."""
+    lines = [x.strip() for x in stderr.strip().splitlines()] or ["no output"]
+    errors = [x for x in lines if ("Error" in x or "error:" in x or "Exception" in x) and "ChildFailedError" not in x
+              and not x.startswith(("File ", "raise ", "Traceback"))]  # fmt: skip
+    cause = next((x.split(":", 1)[1].split("(pid")[0].strip() for x in lines if x.startswith("exitcode  :")), None)
+    signal = next((x.split(":", 1)[1].strip() for x in lines if x.startswith("traceback :") and "Signal" in x), None)
+    text = [x for x in lines if x.strip("=-") and not x.startswith(("File ", "raise ", "^"))]
+    parts = [errors[-1][:160]] if errors else [] if cause is not None else [(text or ["no output"])[-1][:160]]
+    if cause is not None:
+        parts.append(f"a rank's exit code {cause}" + (f" ({signal.split(' received')[0]})" if signal else ""))
+    elif returncode < 0:
+        parts.append(f"killed by signal {-returncode}")
+    else:
+        parts.append(f"exit code {returncode}")
+    return "; ".join(parts)
 
 
 def _csv_rows(path: Path) -> list[dict]:

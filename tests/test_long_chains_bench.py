@@ -2,6 +2,7 @@
 the memory model and the plot written; a provider over the memory cap is recorded, not fatal."""
 
 import csv
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -51,3 +52,27 @@ def test_quick_long_chains_measures_every_provider_and_writes_the_report(tmp_pat
 def test_a_provider_over_the_memory_cap_is_recorded_not_fatal(tmp_path):
     rows, _ = _run(tmp_path, "--cap-gb", "0.2", "--providers", "gk_blocks")
     assert [r["status"] for r in rows] == ["over_cap", "over_cap"]  # both quick points
+
+
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_a_failed_rank_is_named_by_its_own_error_not_by_torchrun(tmp_path, how):
+    # a real torchrun whose rank 1 raises or is SIGKILLed (as the kernel's OOM killer would): the row's status must say
+    # what happened to the rank, not only torchrun's "ChildFailedError" (all a failed row said before)
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from long_chains import failure_reason
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    script = tmp_path / "rank.py"
+    script.write_text("import os, signal\nif os.environ['RANK'] == '1':\n"
+                      "    if os.environ['HOW'] == 'kill':\n        os.kill(os.getpid(), signal.SIGKILL)\n"
+                      "    raise ValueError('rank one broke')\n")  # fmt: skip
+    env = {**os.environ, "HOW": how}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+                           str(script)], capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert proc.returncode != 0 and "ChildFailedError" in proc.stderr
+    reason = failure_reason(proc.returncode, proc.stderr)
+    expected = {"raise": "ValueError: rank one broke; a rank's exit code 1",
+                "kill": "a rank's exit code -9 (Signal 9 (SIGKILL))"}  # fmt: skip
+    assert reason == expected[how], reason
+    assert failure_reason(-9, "") == "no output; killed by signal 9"

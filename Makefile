@@ -93,7 +93,8 @@ smollm2: setup setup-vllm setup-smollm2
 
 # GRPO_REQUIRE_VLLM=1: the vLLM sampler test fails, rather than skips, when vllm cannot be imported.
 # Two pytest-xdist workers with one torch thread each (most tests keep one core busy, the Triton interpreter's all
-# of them); the tests that start vLLM, or processes of their own, run one at a time (tests/conftest.py, XDIST_GROUPS).
+# of them); the tests that start processes of their own run one at a time, and the vLLM modules with a module fixture
+# stay on one worker (tests/conftest.py, XDIST_GROUPS; pytest<9.2 in constraints.txt, with which the groups hold).
 # tests/trainers (the verl and OpenRLHF drop-ins against those packages) runs in their side venv.
 TEST_WORKERS ?= 2
 test: setup setup-vllm setup-smollm2 setup-trainers lint aot-compat

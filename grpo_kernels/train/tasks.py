@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
-    "ArithTask", "CharTokenizer", "Example", "Task", "exact_match", "load_jsonl", "make_task", "numeric_match",
-    "tiny_model",
+    "ArithTask", "CharTokenizer", "Example", "PromptStream", "Task", "exact_match", "load_jsonl", "make_task",
+    "numeric_match", "tiny_model",
 ]  # fmt: skip
 
 
@@ -209,6 +209,35 @@ class JsonlTask(Task):
 
 
 TASKS = {"reverse": ReverseTask, "add": AddTask, "arith": ArithTask}
+
+
+class PromptStream:
+    """The training prompts in the order a run takes them: the examples reshuffled at the start of every epoch by
+    `random.Random(seed)`. The trainer draws from it (identically on every rank); a benchmark that gives another
+    trainer the same prompts in the same order builds the same stream. `state_dict` / `load_state_dict` carry its
+    position through a checkpoint."""
+
+    def __init__(self, examples: list, seed: int):
+        self.examples, self.order, self.cursor = examples, list(range(len(examples))), 0
+        self.rng = random.Random(seed)
+
+    def take(self, n: int) -> list:
+        """The next n examples."""
+        out = []
+        for _ in range(n):
+            if self.cursor % len(self.order) == 0:
+                self.rng.shuffle(self.order)
+            out.append(self.examples[self.order[self.cursor % len(self.order)]])
+            self.cursor += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"cursor": self.cursor, "order": list(self.order), "rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor, self.order = state["cursor"], list(state["order"])
+        rng = state["rng"]  # a checkpoint's JSON turns the state's middle tuple into a list
+        self.rng.setstate((rng[0], tuple(rng[1]), rng[2]))
 
 
 def make_task(name: str, *, difficulty: int = 1, path=None, reward: str = "exact") -> Task:

@@ -23,7 +23,6 @@ import dataclasses
 import json
 import math
 import os
-import random
 import sys
 import tempfile
 import time
@@ -48,9 +47,9 @@ from .lengths import check_model_len, kv_cache_shortfall, position_limit
 from .rollout import Rollout
 from .sampler import HFSampler
 from .step import Policy, grpo_step, sft_warmup
-from .tasks import CharTokenizer, make_task, tiny_model
+from .tasks import CharTokenizer, PromptStream, make_task, tiny_model
 
-__all__ = ["evaluate", "train"]
+__all__ = ["evaluate", "task_examples", "train"]
 
 
 def _seed(*parts: int) -> int:
@@ -125,11 +124,19 @@ def _schedule(config: TrainConfig):
     return factor
 
 
+def task_examples(config: TrainConfig):
+    """(task, training examples, held-out examples) of a run: what it trains on (in `PromptStream(train,
+    config.seed)` order) and evaluates on."""
+    t = config.task
+    task = make_task(t.name, difficulty=t.difficulty, path=t.path, reward=t.reward)
+    return task, task.examples(t.num_train_prompts, seed=t.seed), task.examples(t.num_eval_prompts, seed=t.seed + 1)
+
+
 def _build(config: TrainConfig):
     """Tokenizer, task, train/eval examples and the model; checks the data against the budget. Writes nothing but
     the model cache (a known model such as "smollm2-135m" is converted there on first use)."""
     t, m = config.task, config.model
-    task = make_task(t.name, difficulty=t.difficulty, path=t.path, reward=t.reward)
+    task, train_set, eval_set = task_examples(config)
     if m.name == "tiny":
         tok = CharTokenizer()
         model = tiny_model(tok.vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
@@ -148,8 +155,6 @@ def _build(config: TrainConfig):
         raise ValueError(f"task.system_prompt needs the chat template, and the tokenizer of {m.name} has none")
     if chat:
         tok.set_prompt_format(chat_template=True, system_prompt=t.system_prompt)
-    train_set = task.examples(t.num_train_prompts, seed=t.seed)
-    eval_set = task.examples(t.num_eval_prompts, seed=t.seed + 1)
     longest = max(len(tok.encode_prompt(e.prompt)) for e in train_set + eval_set)
     # What the samplers allow, prompt + completion (vLLM's max_model_len, the servers' --max-model-len), kept where
     # HF keeps that bound, the model's generation config, for `_sampler` and the decoupled servers.
@@ -336,7 +341,7 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
     gs = config.group_size
     adaptive = AdaptiveGroupSize(s.group_size, maximum=gs.max_group_size, threshold=gs.invalid_rate_threshold,
                                  window=gs.window) if gs.adaptive else None  # fmt: skip
-    order, rng, cursor, first, elapsed = list(range(len(train_set))), random.Random(config.seed), 0, 0, 0.0
+    stream, first, elapsed = PromptStream(train_set, config.seed), 0, 0.0
     loss_options = config.loss.kwargs()
     if decoupled:
         example = train_set[0]
@@ -369,8 +374,8 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
     totals = {"completions_sampled": 0, "sampled_tokens": 0, "generate_s": 0.0, "train_s": 0.0, "sync_s": 0.0}
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, policy=policy, optimizer=optimizer, ref_policy=ref_policy, verify=False)
-        first, cursor, order, elapsed = state["step"], state["cursor"], state["order"], state["elapsed_s"]
-        rng.setstate((state["rng"][0], tuple(state["rng"][1]), state["rng"][2]))
+        first, elapsed = state["step"], state["elapsed_s"]
+        stream.load_state_dict(state)
         scheduler.load_state_dict(state["scheduler"])
         if adaptive:
             adaptive.load_state_dict(state["adaptive"])
@@ -406,18 +411,7 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
     say = bar.write if bar is not None else log
     started = time.perf_counter() - elapsed
 
-    def next_prompts(n):  # the training prompts in a reshuffled order every epoch, identical on every rank
-        nonlocal cursor
-        out = []
-        for _ in range(n):
-            if cursor % len(order) == 0:
-                rng.shuffle(order)
-            out.append(train_set[order[cursor % len(order)]])
-            cursor += 1
-        return out
-
-    def prompt_state():  # where next_prompts stands, for a checkpoint
-        return {"cursor": cursor, "order": list(order), "rng": rng.getstate()}
+    next_prompts, prompt_state = stream.take, stream.state_dict  # identical on every rank
 
     def produce(step):  # decoupled, rank 0, the sampling thread: the batch of `step`
         g = adaptive.group_size if adaptive else s.group_size

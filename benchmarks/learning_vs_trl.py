@@ -1,0 +1,340 @@
+"""Learning held to a reference: the same GRPO run in TRL's GRPOTrainer and in `grpo-kernels train`, over seeds and
+loss types, held-out success every few steps evaluated by the same code.
+
+    python -m benchmarks.learning_vs_trl [--trainers trl,grpo_kernels] [--loss-types dapo,grpo] [--seeds 0,1,2]
+        [--steps 40] [--eval-every 4] [--eval-prompts 256] [--lr 2e-5] [--cpus 0,1] [--workdir DIR]
+    python -m benchmarks.learning_vs_trl --plot-only        # the report from the per-run files alone
+    python -m benchmarks.learning_vs_trl --quick            # the smoke test: a tiny chat model, 2 steps
+
+The run (defaults): SmolLM2-135M-Instruct (`grpo-kernels prepare-model smollm2-135m`, done on first use), the
+built-in "arith" task at difficulty 2 (base held-out success ~0.17 at temperature 0.7) with its chat template and
+reward, G = 8, 8 prompts per step, temperature 0.7, 24 new tokens, AdamW lr 2e-5 (betas 0.9 / 0.95, no weight
+decay), grad clip 1, constant lr, no warm-up, beta 0, epsilon 0.2 / 0.28, fp32, HF `generate` as the sampler of both
+(the "grpo_kernels_vllm" trainer samples with vLLM instead, an extra row). One `TrainConfig` describes the run: ours
+gets it as `grpo-kernels train` overrides, TRL's worker (benchmarks/learning_trl_worker.py) turns the same overrides
+into the same TrainConfig and reads every TRL option from it; a setting TRL cannot run the same way is refused with
+one line. Prompts: the same stream, in the same order, for both (the trainer's `PromptStream` of the run's seed).
+Held-out success: `grpo_kernels.train.trainer.evaluate` (one answer per held-out prompt, sampled at the training
+temperature with fixed seeds; `correct`, without the format bonus) on --eval-prompts prompts, before the first step
+and every --eval-every steps, for both.
+
+Every (trainer, loss type, seed) is one process, in --workdir (default ~/.cache/grpo-kernels/learning_vs_trl);
+with --cpus, as many run at once as CPUs are named, each pinned to its CPU with one thread, so both trainers are
+timed alike. Runs checkpoint every 8 steps and resume from there; a finished run (its files copied to the results)
+is not run again; a run that dies is recorded (failed.txt with its log's tail) and the others go on.
+Results (benchmarks/results/learning_vs_trl/): runs/<trainer>_<loss>_seed<k>/ (metrics.jsonl, eval.jsonl,
+summary.json), curves.csv (one row per evaluation), summary.md (per evaluation: mean and 95 % t-interval over the
+seeds, and whether ours lies within TRL's interval or above it) and success_<loss>.png (held-out success vs step, vs
+completions sampled and vs wall seconds of training + sampling, evaluations left out).
+"""
+
+import argparse
+import csv
+import json
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # importable from a plain checkout too
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "benchmarks" / "results" / "learning_vs_trl"
+TRAINERS = ("trl", "grpo_kernels", "grpo_kernels_vllm")
+RUN_FILES = ("metrics.jsonl", "eval.jsonl", "summary.json")
+CURVE_COLUMNS = ["trainer", "loss_type", "seed", "step", "completions", "sampled_tokens", "generate_s", "train_s",
+                 "wall_s", "eval_success"]  # fmt: skip
+# two-sided 95 % quantiles of Student's t by degrees of freedom (n - 1 for n seeds)
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+DEFAULTS = dict(model="smollm2-135m", task="arith", difficulty=2, group_size=8, prompts_per_step=8, steps=40,
+                eval_every=4, eval_prompts=256, temperature=0.7, max_new_tokens=24, lr=2e-5, epsilon_high=0.28)
+QUICK = dict(DEFAULTS, model=None, task="add", difficulty=1, group_size=4, prompts_per_step=2, steps=2, eval_every=2,
+             eval_prompts=8, temperature=1.0, max_new_tokens=4, lr=1e-3, seeds="0", loss_types="dapo")
+
+
+def overrides(args, trainer: str, loss_type: str, seed: int, run_dir: Path) -> list[str]:
+    """The run as `grpo-kernels train` overrides: what both trainers are given."""
+    return [f"--seed={seed}", f"--model.name={args.model}", f"--task.name={args.task}",
+            f"--task.difficulty={args.difficulty}", f"--task.num_eval_prompts={args.eval_prompts}",
+            f"--task.eval_every={args.eval_every}", "--task.sft_warmup_steps=0", "--task.chat_template=on",
+            f"--sampling.sampler={'vllm' if trainer == 'grpo_kernels_vllm' else 'hf'}",
+            f"--sampling.group_size={args.group_size}", f"--sampling.prompts_per_step={args.prompts_per_step}",
+            f"--sampling.max_new_tokens={args.max_new_tokens}", f"--sampling.temperature={args.temperature}",
+            f"--optim.steps={args.steps}", f"--optim.lr={args.lr}", "--optim.betas=[0.9, 0.95]",
+            "--optim.weight_decay=0.0", "--optim.grad_clip=1.0", "--optim.warmup_steps=0",
+            f"--loss.loss_type={loss_type}", "--loss.epsilon_low=0.2", f"--loss.epsilon_high={args.epsilon_high}",
+            "--loss.beta=0.0", "--packing.shared_prefix=true", "--model.activation_checkpointing=none",
+            f"--logging.run_dir={run_dir}", "--logging.log_every=1", "--checkpoint.every=8",
+            "--checkpoint.keep_last=1"]  # fmt: skip
+
+
+def command(args, trainer: str, loss_type: str, seed: int, run_dir: Path) -> list[str]:
+    """The process of one run: a fresh one, or the resumption of a run cut short."""
+    extra = overrides(args, trainer, loss_type, seed, run_dir)
+    if trainer == "trl":
+        return [sys.executable, "-m", "benchmarks.learning_trl_worker", "--run-dir", str(run_dir), "--", *extra]
+    cli = [sys.executable, "-m", "grpo_kernels.cli", "train"]
+    if any((run_dir / "checkpoints").glob("step_*")):
+        return [*cli, "--resume", str(run_dir)]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return [*cli, *extra]
+
+
+def run_one(args, job: tuple, workdir: Path, results: Path, cpu: int | None) -> str:
+    trainer, loss_type, seed = job
+    name = f"{trainer}_{loss_type}_seed{seed}"
+    run_dir, kept = workdir / name, results / "runs" / name
+    if (kept / "summary.json").exists():
+        return "done before"
+    (kept / "failed.txt").unlink(missing_ok=True)
+    cmd = command(args, trainer, loss_type, seed, run_dir)
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    if cpu is not None:
+        env.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND=str(cpu))
+    log = workdir / f"{name}.log"
+    with log.open("a") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                              preexec_fn=(lambda: os.sched_setaffinity(0, [cpu])) if cpu is not None else None)
+    kept.mkdir(parents=True, exist_ok=True)
+    if done.returncode != 0:
+        tail = log.read_text().strip().splitlines()[-20:]
+        (kept / "failed.txt").write_text(f"exit code {done.returncode}; the log's last lines:\n" + "\n".join(tail))
+        return f"FAILED (exit {done.returncode}): {tail[-1] if tail else '(no output)'}"
+    for file in RUN_FILES:
+        shutil.copy2(run_dir / file, kept / file)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    shutil.rmtree(run_dir / "trl", ignore_errors=True)
+    return "finished"
+
+
+def run_all(args, jobs: list, workdir: Path, results: Path) -> None:
+    """The jobs in order, as many at once as --cpus names CPUs (one each), else one at a time."""
+    cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else [None]
+    todo = queue.Queue()
+    for job in jobs:
+        todo.put(job)
+    lock = threading.Lock()
+
+    def work(cpu):
+        while True:
+            try:
+                job = todo.get_nowait()
+            except queue.Empty:
+                return
+            start = time.perf_counter()
+            what = run_one(args, job, workdir, results, cpu)
+            with lock:
+                print(f"{'_'.join(map(str, job)):>32s}: {what} ({time.perf_counter() - start:.0f} s)", flush=True)
+                if what != "done before":
+                    report(results, args)
+
+    threads = [threading.Thread(target=work, args=(cpu,)) for cpu in cpus]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def curves(results: Path) -> list[dict]:
+    rows = []
+    for summary in sorted((results / "runs").glob("*/summary.json")):
+        trainer, loss_type, seed = _name(summary.parent.name)
+        start = json.loads(summary.read_text())["eval_success_start"]
+        rows.append({"trainer": trainer, "loss_type": loss_type, "seed": seed, "step": -1, "completions": 0,
+                     "sampled_tokens": 0, "generate_s": 0.0, "train_s": 0.0, "wall_s": 0.0, "eval_success": start})
+        for e in _jsonl(summary.parent / "eval.jsonl"):
+            wall = e["generate_s"] + e["train_s"] + e.get("sync_s", 0.0)
+            rows.append({"trainer": trainer, "loss_type": loss_type, "seed": seed, "step": e["step"],
+                         "completions": e["completions_sampled"], "sampled_tokens": e["sampled_tokens"],
+                         "generate_s": round(e["generate_s"], 2), "train_s": round(e["train_s"], 2),
+                         "wall_s": round(wall, 2), "eval_success": e["eval_success"]})  # fmt: skip
+    return rows
+
+
+def _name(run: str) -> tuple:
+    head, seed = run.rsplit("_seed", 1)
+    trainer, loss_type = head.rsplit("_", 1)
+    return trainer, loss_type, int(seed)
+
+
+def mean_ci(values: list[float]) -> tuple:
+    """(mean, half-width of the 95 % t-interval; nan for one value)."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, float("nan")
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, T95.get(n - 1, 1.96) * (var / n) ** 0.5
+
+
+def summary_lines(rows: list[dict]) -> list[str]:
+    lines = []
+    for loss_type in dict.fromkeys(r["loss_type"] for r in rows):
+        mine = [r for r in rows if r["loss_type"] == loss_type]
+        trainers = [t for t in TRAINERS if any(r["trainer"] == t for r in mine)]
+        steps = sorted({r["step"] for r in mine})
+        at = {}
+        for t in trainers:
+            for s in steps:
+                values = [r["eval_success"] for r in mine if r["trainer"] == t and r["step"] == s]
+                at[t, s] = (mean_ci(values), len(values)) if values else None
+        lines += [f"## loss {loss_type}", "", "Held-out success, mean ± 95 % t-interval over the seeds (n seeds); "
+                  "`ok`: ours within TRL's interval or above it.", "",
+                  "| after step | " + " | ".join(trainers) + " | verdict |", "|---:|" + "---|" * (len(trainers) + 1)]
+        for s in steps:
+            cells, verdict = [], ""
+            for t in trainers:
+                cell = at[t, s]
+                cells.append("-" if cell is None else f"{cell[0][0]:.3f} ± {cell[0][1]:.3f} ({cell[1]})")
+            trl, ours = at.get(("trl", s)), at.get(("grpo_kernels", s))
+            if trl and ours and trl[1] > 1:
+                verdict = "ok" if ours[0][0] >= trl[0][0] - trl[0][1] else "**below**"
+            lines.append(f"| {s + 1 if s >= 0 else 'start'} | " + " | ".join(cells) + f" | {verdict} |")
+        lines.append("")
+    return lines
+
+
+def plot(results: Path, rows: list[dict]) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colour = {"trl": "tab:orange", "grpo_kernels": "tab:blue", "grpo_kernels_vllm": "tab:green"}
+    paths = []
+    for loss_type in dict.fromkeys(r["loss_type"] for r in rows):
+        mine = [r for r in rows if r["loss_type"] == loss_type]
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
+        for ax, x, label in ((axes[0], "step", "steps"), (axes[1], "completions", "completions sampled"),
+                             (axes[2], "wall_s", "seconds training + sampling (one CPU each)")):  # fmt: skip
+            for t in dict.fromkeys(r["trainer"] for r in mine):
+                runs = {}
+                for r in mine:
+                    if r["trainer"] == t:
+                        runs.setdefault(r["seed"], []).append(r)
+                for seed_rows in runs.values():
+                    ax.plot([r[x] + (1 if x == "step" else 0) for r in seed_rows],
+                            [r["eval_success"] for r in seed_rows], "-", color=colour[t], alpha=0.25, lw=1)
+                steps = sorted({r["step"] for r in mine if r["trainer"] == t})
+                pts = []
+                for s in steps:
+                    at = [r for r in mine if r["trainer"] == t and r["step"] == s]
+                    m, h = mean_ci([r["eval_success"] for r in at])
+                    pts.append((sum(r[x] for r in at) / len(at) + (1 if x == "step" else 0), m, h))
+                xs, ms, hs = zip(*pts, strict=True)
+                ax.plot(xs, ms, "-o", ms=3, color=colour[t], label=f"{t} (mean of {len(runs)} seeds)")
+                if len(runs) > 1:
+                    ax.fill_between(xs, [m - h for m, h in zip(ms, hs, strict=True)],
+                                    [m + h for m, h in zip(ms, hs, strict=True)], color=colour[t], alpha=0.15)
+            ax.set(xlabel=label)
+        axes[0].set(ylabel="held-out success")
+        axes[0].legend(fontsize=8)
+        fig.suptitle(f"loss {loss_type}: held-out success, each seed (thin), mean and 95 % interval", fontsize=10)
+        fig.tight_layout()
+        path = results / f"success_{loss_type}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def report(results: Path, args) -> list[Path]:
+    rows = curves(results)
+    with (results / "curves.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CURVE_COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    failed = sorted(p.parent.name for p in (results / "runs").glob("*/failed.txt"))
+    lines = ["# Learning vs TRL: the same GRPO run in trl.GRPOTrainer and grpo-kernels train", "",
+             f"Command: `{command_line(args)}`", "", *summary_lines(rows)]  # fmt: skip
+    if failed:
+        lines += ["## Runs that died", "", *[f"- {name}: see runs/{name}/failed.txt" for name in failed], ""]
+    (results / "summary.md").write_text("\n".join(lines))
+    return [results / "summary.md", results / "curves.csv", *(plot(results, rows) if rows else [])]
+
+
+def command_line(args) -> str:
+    if args.quick:
+        return "python -m benchmarks.learning_vs_trl --quick"
+    return (f"python -m benchmarks.learning_vs_trl --trainers {args.trainers} --loss-types {args.loss_types} --seeds "
+            f"{args.seeds} --steps {args.steps} --eval-every {args.eval_every} --eval-prompts {args.eval_prompts} "
+            f"--lr {args.lr}" + (f" --cpus {args.cpus}" if args.cpus else ""))  # fmt: skip
+
+
+def quick_model(workdir: Path) -> Path:
+    """The tiny checkpoint with a chat template (the prompt as is), so TRL and ours encode the same ids."""
+    from grpo_kernels.train.hf_model import write_tiny_checkpoint
+
+    directory = workdir / "tiny_chat"
+    if not (directory / "config.json").exists():
+        write_tiny_checkpoint(directory)
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+        config["chat_template"] = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trainers", default="trl,grpo_kernels", help=f"of {', '.join(TRAINERS)}")
+    parser.add_argument("--loss-types", default="dapo,grpo")
+    parser.add_argument("--seeds", default="0,1,2")
+    for key in ("model", "task", "difficulty", "group_size", "prompts_per_step", "steps", "eval_every",
+                "eval_prompts", "temperature", "max_new_tokens", "lr", "epsilon_high"):  # fmt: skip
+        parser.add_argument("--" + key.replace("_", "-"), type=type(DEFAULTS[key]), default=DEFAULTS[key])
+    parser.add_argument("--cpus", help="run this many at once, each pinned to one of these CPUs (e.g. 0,1)")
+    parser.add_argument("--workdir", type=Path, help="default ~/.cache/grpo-kernels/learning_vs_trl")
+    parser.add_argument("--results", type=Path, default=OUT)
+    parser.add_argument("--plot-only", action="store_true", help="the report from the runs' files alone")
+    parser.add_argument("--quick", action="store_true", help="the smoke test: a tiny chat model, 2 steps, 1 seed")
+    args = parser.parse_args(argv)
+    workdir = args.workdir or Path.home() / ".cache" / "grpo-kernels" / "learning_vs_trl"
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+        workdir.mkdir(parents=True, exist_ok=True)
+        args.model = str(quick_model(workdir))
+    results = args.results
+    if not args.plot_only:
+        trainers = args.trainers.split(",")
+        bad = [t for t in trainers if t not in TRAINERS]
+        if bad:
+            raise SystemExit(f"learning-vs-trl: unknown --trainers {', '.join(bad)} (known: {', '.join(TRAINERS)})")
+        if "trl" in trainers:
+            try:
+                import trl  # noqa: F401
+            except ImportError:
+                raise SystemExit("learning-vs-trl: the trl trainer needs TRL: pip install "
+                                 "'grpo-kernels[trl]'") from None
+        from benchmarks.learning_trl_worker import trl_refusal
+        from grpo_kernels.train.config_io import load_config
+
+        jobs = [(t, loss, int(seed)) for seed in args.seeds.split(",") for loss in args.loss_types.split(",")
+                for t in trainers]  # fmt: skip
+        for t, loss, seed in jobs[: len(trainers) * len(args.loss_types.split(","))]:
+            config = load_config(None, overrides(args, t, loss, seed, workdir / "check"))  # a bad setting: here
+            refusal = trl_refusal(config) if t == "trl" else None
+            if refusal:
+                raise SystemExit(f"learning-vs-trl: TRL cannot run {refusal}")
+        workdir.mkdir(parents=True, exist_ok=True)
+        (results / "runs").mkdir(parents=True, exist_ok=True)
+        run_all(args, jobs, workdir, results)
+    if not list((results / "runs").glob("*/summary.json")):
+        raise SystemExit(f"learning-vs-trl: no finished run under {results / 'runs'}")
+    for path in report(results, args):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""benchmarks/learning_vs_trl.py: the same run in TRL and in `grpo-kernels train`. The quick path end to end (both
+trainers, TRL's own prompt tokenization checked against ours inside the worker), the prompt stream both get, and the
+settings TRL cannot run, refused in one line."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grpo_kernels.train import trainer as trainer_module
+from grpo_kernels.train.config_io import load_config
+from grpo_kernels.train.tasks import PromptStream
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import learning_vs_trl  # noqa: E402
+from benchmarks.learning_trl_worker import trl_refusal  # noqa: E402
+
+
+@pytest.mark.slow
+def test_quick_run_trains_both_and_evaluates_them_with_the_same_code(tmp_path):
+    cmd = [sys.executable, "-m", "benchmarks.learning_vs_trl", "--quick", "--workdir", str(tmp_path / "work"),
+           "--results", str(tmp_path / "out")]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    runs = tmp_path / "out" / "runs"
+    summaries = {name: json.loads((runs / f"{name}_dapo_seed0" / "summary.json").read_text())
+                 for name in ("trl", "grpo_kernels")}  # fmt: skip
+    # the same weights before the first step, evaluated by the same code with the same seeds: the same success
+    assert summaries["trl"]["eval_success_start"] == summaries["grpo_kernels"]["eval_success_start"]
+    assert summaries["trl"]["reward_text_mismatch"] == 0  # TRL's completion text is our decoding of its ids
+    curves = (tmp_path / "out" / "curves.csv").read_text().splitlines()
+    assert curves[0].startswith("trainer,loss_type,seed,step,completions")
+    assert sum(line.startswith("trl,dapo,0,1,16,") for line in curves) == 1  # 2 steps x 2 prompts x G = 4
+    assert sum(line.startswith("grpo_kernels,dapo,0,1,16,") for line in curves) == 1
+    assert "| after step | trl | grpo_kernels | verdict |" in (tmp_path / "out" / "summary.md").read_text()
+    assert (tmp_path / "out" / "success_dapo.png").stat().st_size > 0
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and again.stdout.count("done before") == 2, again.stdout[-2000:]
+
+
+def test_the_prompts_given_to_trl_are_the_ones_the_trainer_trains_on(tmp_path, monkeypatch):
+    seen, sample = [], trainer_module._sample
+
+    def recording(sampler, tok, task, examples, g, seeds, d, *, score=None):
+        if score is None:  # a training batch (evaluations score with task.correct)
+            seen.extend(examples)
+        return sample(sampler, tok, task, examples, g, seeds, d, score=score)
+
+    monkeypatch.setattr(trainer_module, "_sample", recording)
+    config = load_config(None, ["--seed=3", "--task.name=add", "--task.num_train_prompts=10",
+                                "--sampling.prompts_per_step=4", "--sampling.group_size=2", "--optim.steps=4",
+                                "--task.num_eval_prompts=0", "--checkpoint.every=0",
+                                f"--logging.run_dir={tmp_path}"])  # fmt: skip
+    trainer_module.train(config, log=lambda *a, **k: None)
+    _, train_set, _ = trainer_module.task_examples(config)
+    assert len(seen) == 16  # 4 steps x 4 prompts: more than one epoch of 10, so the reshuffle counts too
+    assert seen == PromptStream(train_set, 3).take(16)
+
+
+@pytest.mark.parametrize("override, named", [
+    ("--task.sft_warmup_steps=10", "task.sft_warmup_steps"),
+    ("--group_size.dynamic_sampling=true", "group_size.dynamic_sampling"),
+    ("--group_size.adaptive=true", "group_size.adaptive"),
+    ("--sampling.sampler=vllm", "sampling.sampler"),
+    ("--optim.schedule=cosine", "optim.schedule"),
+    ("--optim.warmup_steps=3", "optim.warmup_steps"),
+    ("--loss.loss_type=cispo", "loss.loss_type"),
+    ("--task.chat_template=off", "task.chat_template"),
+])  # fmt: skip
+def test_settings_trl_cannot_run_alike_are_refused_in_one_line(override, named):
+    base = ["--model.name=/some/hf/dir", "--task.sft_warmup_steps=0"]
+    assert trl_refusal(load_config(None, base)) is None
+    why = trl_refusal(load_config(None, [*base, override]))
+    assert why is not None and why.startswith(named) and "\n" not in why
+
+
+def test_the_benchmark_refuses_bad_input_before_running(tmp_path):
+    common = ["--workdir", str(tmp_path / "w"), "--results", str(tmp_path / "r")]
+    with pytest.raises(SystemExit, match="unknown --trainers verl"):
+        learning_vs_trl.main(["--trainers", "trl,verl", *common])
+    with pytest.raises(SystemExit, match=r"TRL cannot run loss.loss_type = 'cispo'"):
+        learning_vs_trl.main(["--loss-types", "cispo", *common])
+    assert not (tmp_path / "r").exists()  # nothing ran, nothing written

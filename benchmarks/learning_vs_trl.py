@@ -21,7 +21,8 @@ and every --eval-every steps, for both.
 Every (trainer, loss type, seed) is one process, in --workdir (default ~/.cache/grpo-kernels/learning_vs_trl);
 with --cpus, as many run at once as CPUs are named, each pinned to its CPU with one thread, so both trainers are
 timed alike. Runs checkpoint every 8 steps and resume from there; a finished run (its files copied to the results)
-is not run again; a run that dies is recorded (failed.txt with its log's tail) and the others go on.
+is not run again, nor one that another invocation is running (a lock file per run: several invocations, on other
+CPUs, may share the work); a run that dies is recorded (failed.txt with its log's tail) and the others go on.
 Results (benchmarks/results/learning_vs_trl/): runs/<trainer>_<loss>_seed<k>/ (metrics.jsonl, eval.jsonl,
 summary.json), curves.csv (one row per evaluation), summary.md (per evaluation: mean and 95 % t-interval over the
 seeds, and whether ours lies within TRL's interval or above it) and success_<loss>.png (held-out success vs step, vs
@@ -30,6 +31,7 @@ completions sampled and vs wall seconds of training + sampling, evaluations left
 
 import argparse
 import csv
+import fcntl
 import json
 import os
 import queue
@@ -90,12 +92,23 @@ def run_one(args, job: tuple, workdir: Path, results: Path, cpu: int | None) -> 
     run_dir, kept = workdir / name, results / "runs" / name
     if (kept / "summary.json").exists():
         return "done before"
+    workdir.mkdir(parents=True, exist_ok=True)
+    with (workdir / f"{name}.lock").open("w") as lock:  # another runner (another --cpus) may be running it
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return "running in another process: left to it"
+        return _run_locked(args, trainer, loss_type, seed, run_dir, kept, workdir / f"{name}.log", cpu)
+
+
+def _run_locked(args, trainer, loss_type, seed, run_dir: Path, kept: Path, log: Path, cpu: int | None) -> str:
+    if (kept / "summary.json").exists():  # finished by another runner between the check and the lock
+        return "done before"
     (kept / "failed.txt").unlink(missing_ok=True)
     cmd = command(args, trainer, loss_type, seed, run_dir)
     env = {**os.environ, "TQDM_DISABLE": "1"}
     if cpu is not None:
         env.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND=str(cpu))
-    log = workdir / f"{name}.log"
     with log.open("a") as f:
         f.write(f"$ {' '.join(cmd)}\n")
         f.flush()

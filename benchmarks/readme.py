@@ -233,6 +233,22 @@ def study_section(results: Path) -> list:
     return lines
 
 
+def learning_vs_trl_section(results: Path) -> list:
+    """The same run in TRL and here (benchmarks/learning_vs_trl.py), from its own report and the reading beside it."""
+    md = results / "learning_vs_trl" / "summary.md"
+    if not md.exists():
+        return []
+    command, tables = _tables_of(md)
+    lines = [f"**Learning vs TRL: the same run in trl.GRPOTrainer and here** (`{command}`; per-seed files and plots "
+             "in `benchmarks/results/learning_vs_trl/`). Held-out success, mean ± 95 % t-interval over the seeds "
+             "(their number in brackets); verdict `ok`: ours within TRL's interval or above it.", "",
+             *[f"#{t}" if t.startswith("## ") else t for t in tables], ""]  # fmt: skip
+    reading = md.parent / "reading.md"  # written by hand from the results above it, committed beside them
+    if reading.exists():
+        lines += [reading.read_text().strip(), ""]
+    return lines
+
+
 def gpu_section(paths: list) -> list:
     if not paths:
         return ["**GPU:** no numbers yet. No GPU has been available to this project; the Triton kernels are checked "
@@ -277,6 +293,7 @@ def render(results: Path = RESULTS) -> str:
     if (results / "group_size_study" / "runs.csv").exists():
         lines += group_size_section(results / "group_size_study" / "runs.csv")
     lines += study_section(results)
+    lines += learning_vs_trl_section(results)
     lines += gpu_section(sorted(p for p in results.glob("gpu_check_*.csv") if "dry-run" not in p.name))
     return "\n".join(lines).rstrip() + "\n"
 

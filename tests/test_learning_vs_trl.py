@@ -85,3 +85,15 @@ def test_the_benchmark_refuses_bad_input_before_running(tmp_path):
     with pytest.raises(SystemExit, match=r"TRL cannot run loss.loss_type = 'cispo'"):
         learning_vs_trl.main(["--loss-types", "cispo", *common])
     assert not (tmp_path / "r").exists()  # nothing ran, nothing written
+
+
+def test_a_run_another_invocation_holds_is_left_to_it(tmp_path):
+    import fcntl
+
+    work, results = tmp_path / "work", tmp_path / "results"
+    work.mkdir()
+    with (work / "trl_dapo_seed0.lock").open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        what = learning_vs_trl.run_one(None, ("trl", "dapo", 0), work, results, None)
+    assert what == "running in another process: left to it"
+    assert not (results / "runs").exists() and not (work / "trl_dapo_seed0.log").exists()

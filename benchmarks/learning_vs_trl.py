@@ -18,11 +18,13 @@ Held-out success: `grpo_kernels.train.trainer.evaluate` (one answer per held-out
 temperature with fixed seeds; `correct`, without the format bonus) on --eval-prompts prompts, before the first step
 and every --eval-every steps, for both.
 
-Every (trainer, loss type, seed) is one process, in --workdir (default ~/.cache/grpo-kernels/learning_vs_trl);
-with --cpus, as many run at once as CPUs are named, each pinned to its CPU with one thread, so both trainers are
-timed alike. Runs checkpoint every 8 steps and resume from there; a finished run (its files copied to the results)
-is not run again, nor one that another invocation is running (a lock file per run: several invocations, on other
-CPUs, may share the work); a run that dies is recorded (failed.txt with its log's tail) and the others go on.
+Every (trainer, loss type, seed) is one process, in --workdir (default ~/.cache/grpo-kernels/learning_vs_trl); with
+--cpus, as many run at once as CPUs are named, each pinned to its CPU with one thread, so both trainers are timed
+alike (mind the memory: a TRL run of the defaults reached ~12 GB of RSS, ours ~5 GB; two TRL runs at once were
+killed for memory on a 24 GB machine; process.json keeps each finished run's peak). Runs checkpoint every 8 steps
+and resume from there; a finished run (its files copied to the results) is not run again, nor one that another
+invocation is running (a lock file per run: several invocations, on other CPUs, may share the work); a run that dies
+is recorded (failed.txt with its log's tail) and the others go on.
 Results (benchmarks/results/learning_vs_trl/): runs/<trainer>_<loss>_seed<k>/ (metrics.jsonl, eval.jsonl,
 summary.json), curves.csv (one row per evaluation), summary.md (per evaluation: mean and 95 % t-interval over the
 seeds, and whether ours lies within TRL's interval or above it) and success_<loss>.png (held-out success vs step, vs
@@ -112,15 +114,19 @@ def _run_locked(args, trainer, loss_type, seed, run_dir: Path, kept: Path, log: 
     with log.open("a") as f:
         f.write(f"$ {' '.join(cmd)}\n")
         f.flush()
-        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env,
-                              preexec_fn=(lambda: os.sched_setaffinity(0, [cpu])) if cpu is not None else None)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                                preexec_fn=(lambda: os.sched_setaffinity(0, [cpu])) if cpu is not None else None)
+        _, status, usage = os.wait4(proc.pid, 0)
+    code, peak = os.waitstatus_to_exitcode(status), round(usage.ru_maxrss / 1024)  # this process's peak RSS, MiB
     kept.mkdir(parents=True, exist_ok=True)
-    if done.returncode != 0:
+    if code != 0:
         tail = log.read_text().strip().splitlines()[-20:]
-        (kept / "failed.txt").write_text(f"exit code {done.returncode}; the log's last lines:\n" + "\n".join(tail))
-        return f"FAILED (exit {done.returncode}): {tail[-1] if tail else '(no output)'}"
+        (kept / "failed.txt").write_text(f"exit code {code} (peak RSS {peak} MiB); the log's last lines:\n" +
+                                         "\n".join(tail))  # fmt: skip
+        return f"FAILED (exit {code}): {tail[-1] if tail else '(no output)'}"
     for file in RUN_FILES:
         shutil.copy2(run_dir / file, kept / file)
+    (kept / "process.json").write_text(json.dumps({"peak_rss_mib": peak, "cpu": cpu}))
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     shutil.rmtree(run_dir / "trl", ignore_errors=True)
     return "finished"

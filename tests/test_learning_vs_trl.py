@@ -38,6 +38,7 @@ def test_quick_run_trains_both_and_evaluates_them_with_the_same_code(tmp_path):
     assert sum(line.startswith("grpo_kernels,dapo,0,1,16,") for line in curves) == 1
     assert "| after step | trl | grpo_kernels | verdict |" in (tmp_path / "out" / "summary.md").read_text()
     assert (tmp_path / "out" / "success_dapo.png").stat().st_size > 0
+    assert json.loads((runs / "trl_dapo_seed0" / "process.json").read_text())["peak_rss_mib"] > 100
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and again.stdout.count("done before") == 2, again.stdout[-2000:]
 

@@ -200,3 +200,21 @@ def test_render_shows_the_group_size_studies_of_a_real_model_from_their_reports(
     empty = tmp_path / "empty"
     write_csv(empty / "cpu.csv", [combined_row("reference", 700.0), combined_row("cpp", 140.0)])
     assert "Group size on a real model" not in readme.render(empty)
+
+
+def test_render_shows_the_learning_vs_trl_study_from_its_report(tmp_path):
+    """The same run in TRL and here: the report's command and tables, then the reading written beside it."""
+    from benchmarks import readme
+
+    write_csv(tmp_path / "cpu.csv", [combined_row("reference", 700.0), combined_row("cpp", 140.0)])
+    assert "Learning vs TRL" not in readme.render(tmp_path)
+    study = tmp_path / "learning_vs_trl"
+    study.mkdir()
+    (study / "summary.md").write_text("# Learning vs TRL\n\nCommand: `python -m benchmarks.learning_vs_trl`\n\n"
+                                      "## loss dapo\n\nHeld-out success ...\n\n| after step | trl | grpo_kernels |"
+                                      " verdict |\n|---:|---|---|---|\n| 4 | 0.4 ± 0.1 (3) | 0.5 ± 0.1 (3) | ok |\n")
+    (study / "reading.md").write_text("Reading, by hand: they learn alike.\n")
+    section = readme.render(tmp_path).split("**Learning vs TRL")[1]
+    assert "(`python -m benchmarks.learning_vs_trl`;" in section and "### loss dapo" in section
+    assert "| 4 | 0.4 ± 0.1 (3) | 0.5 ± 0.1 (3) | ok |" in section and "Held-out success ..." not in section
+    assert section.index("| 4 | 0.4") < section.index("Reading, by hand: they learn alike.")

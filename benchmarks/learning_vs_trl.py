@@ -172,7 +172,9 @@ def curves(results: Path) -> list[dict]:
         rows.append({"trainer": trainer, "loss_type": loss_type, "seed": seed, "step": -1, "completions": 0,
                      "sampled_tokens": 0, "generate_s": 0.0, "train_s": 0.0, "wall_s": 0.0, "eval_success": start})
         for e in _jsonl(summary.parent / "eval.jsonl"):
-            wall = e["generate_s"] + e["train_s"] + e.get("sync_s", 0.0)
+            # TRL's: its steps' own clock (sampling, loss, backward, clip, optimizer); its train_s leaves the
+            # optimizer step out. Ours: grpo_step (optimizer included) + sampling + weight syncs.
+            wall = e["wall_s"] if "wall_s" in e else e["generate_s"] + e["train_s"] + e.get("sync_s", 0.0)
             rows.append({"trainer": trainer, "loss_type": loss_type, "seed": seed, "step": e["step"],
                          "completions": e["completions_sampled"], "sampled_tokens": e["sampled_tokens"],
                          "generate_s": round(e["generate_s"], 2), "train_s": round(e["train_s"], 2),

@@ -7,6 +7,7 @@ import os
 import platform
 import statistics
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -158,3 +159,47 @@ def plot_bars(rows: list, path: Path, *, panel: Callable, shape: Callable, xlabe
         ax.legend(fontsize=7)
 
     plot_panels(panels, path, draw)
+
+
+def run_pinned(jobs: list, cpus: list, run: Callable, done: Callable | None = None) -> None:
+    """run(job, cpu) for every job, in order, as many at once as there are cpus (one thread per cpu; None: one job
+    at a time, unpinned); done(job, result, seconds) after each, one at a time."""
+    todo, lock = list(jobs), threading.Lock()
+
+    def work(cpu):
+        while True:
+            with lock:
+                if not todo:
+                    return
+                job = todo.pop(0)
+            start = time.perf_counter()
+            result = run(job, cpu)
+            with lock:
+                if done is not None:
+                    done(job, result, time.perf_counter() - start)
+
+    threads = [threading.Thread(target=work, args=(cpu,)) for cpu in cpus or [None]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def pinned_env(cpu: int | None) -> dict:
+    """A child process's environment for one pinned cpu: one torch / OpenMP thread (vLLM's bound to that cpu)."""
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    if cpu is not None:
+        env.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND=str(cpu))
+    return env
+
+
+def run_logged(cmd: list, log: Path, cpu: int | None) -> tuple[int, int]:
+    """Run cmd (pinned to cpu) appending its output to log; (exit code, peak RSS in MiB of that process)."""
+    with log.open("a") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=pinned_env(cpu),
+                                preexec_fn=(lambda: os.sched_setaffinity(0, [cpu])) if cpu is not None else None)
+        _, status, usage = os.wait4(proc.pid, 0)
+    return os.waitstatus_to_exitcode(status), round(usage.ru_maxrss / 1024)
+

@@ -35,19 +35,15 @@ import argparse
 import csv
 import fcntl
 import json
-import os
-import queue
 import shutil
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # importable from a plain checkout too
 
-REPO = Path(__file__).resolve().parents[1]
-OUT = REPO / "benchmarks" / "results" / "learning_vs_trl"
+from benchmarks.common import ROOT, run_logged, run_pinned
+
+OUT = ROOT / "benchmarks" / "results" / "learning_vs_trl"
 TRAINERS = ("trl", "grpo_kernels", "grpo_kernels_vllm")
 RUN_FILES = ("metrics.jsonl", "eval.jsonl", "summary.json")
 CURVE_COLUMNS = ["trainer", "loss_type", "seed", "step", "completions", "sampled_tokens", "generate_s", "train_s",
@@ -108,16 +104,7 @@ def _run_locked(args, trainer, loss_type, seed, run_dir: Path, kept: Path, log: 
         return "done before"
     (kept / "failed.txt").unlink(missing_ok=True)
     cmd = command(args, trainer, loss_type, seed, run_dir)
-    env = {**os.environ, "TQDM_DISABLE": "1"}
-    if cpu is not None:
-        env.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND=str(cpu))
-    with log.open("a") as f:
-        f.write(f"$ {' '.join(cmd)}\n")
-        f.flush()
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env,
-                                preexec_fn=(lambda: os.sched_setaffinity(0, [cpu])) if cpu is not None else None)
-        _, status, usage = os.wait4(proc.pid, 0)
-    code, peak = os.waitstatus_to_exitcode(status), round(usage.ru_maxrss / 1024)  # this process's peak RSS, MiB
+    code, peak = run_logged(cmd, log, cpu)  # peak: this process's peak RSS, MiB
     kept.mkdir(parents=True, exist_ok=True)
     if code != 0:
         tail = log.read_text().strip().splitlines()[-20:]
@@ -134,30 +121,14 @@ def _run_locked(args, trainer, loss_type, seed, run_dir: Path, kept: Path, log: 
 
 def run_all(args, jobs: list, workdir: Path, results: Path) -> None:
     """The jobs in order, as many at once as --cpus names CPUs (one each), else one at a time."""
-    cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else [None]
-    todo = queue.Queue()
-    for job in jobs:
-        todo.put(job)
-    lock = threading.Lock()
 
-    def work(cpu):
-        while True:
-            try:
-                job = todo.get_nowait()
-            except queue.Empty:
-                return
-            start = time.perf_counter()
-            what = run_one(args, job, workdir, results, cpu)
-            with lock:
-                print(f"{'_'.join(map(str, job)):>32s}: {what} ({time.perf_counter() - start:.0f} s)", flush=True)
-                if what != "done before":
-                    report(results, args)
+    def done(job, what, seconds):
+        print(f"{'_'.join(map(str, job)):>32s}: {what} ({seconds:.0f} s)", flush=True)
+        if what != "done before":
+            report(results, args)
 
-    threads = [threading.Thread(target=work, args=(cpu,)) for cpu in cpus]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_pinned(jobs, [int(c) for c in args.cpus.split(",")] if args.cpus else [],
+               lambda job, cpu: run_one(args, job, workdir, results, cpu), done)
 
 
 def _jsonl(path: Path) -> list[dict]:

@@ -226,10 +226,11 @@ def plot(results: Path, rows: list[dict]) -> list[Path]:
                 xs, ms, hs = zip(*pts, strict=True)
                 ax.plot(xs, ms, "-o", ms=3, color=colour[t], label=f"{t} (mean of {len(runs)} seeds)")
                 if len(runs) > 1:
-                    ax.fill_between(xs, [m - h for m, h in zip(ms, hs, strict=True)],
-                                    [m + h for m, h in zip(ms, hs, strict=True)], color=colour[t], alpha=0.15)
+                    ax.fill_between(xs, [max(0.0, m - h) for m, h in zip(ms, hs, strict=True)],
+                                    [min(1.0, m + h) for m, h in zip(ms, hs, strict=True)], color=colour[t],
+                                    alpha=0.15)  # a success rate: the interval cut to [0, 1]
             ax.set(xlabel=label)
-        axes[0].set(ylabel="held-out success")
+        axes[0].set(ylabel="held-out success", ylim=(0, 1))
         axes[0].legend(fontsize=8)
         fig.suptitle(f"loss {loss_type}: held-out success, each seed (thin), mean and 95 % interval", fontsize=10)
         fig.tight_layout()
@@ -248,19 +249,22 @@ def report(results: Path, args) -> list[Path]:
         w.writerows(rows)
     failed = sorted(p.parent.name for p in (results / "runs").glob("*/failed.txt"))
     lines = ["# Learning vs TRL: the same GRPO run in trl.GRPOTrainer and grpo-kernels train", "",
-             f"Command: `{command_line(args)}`", "", *summary_lines(rows)]  # fmt: skip
+             f"Command: `{command_line(args, rows)}`", "", *summary_lines(rows)]  # fmt: skip
     if failed:
         lines += ["## Runs that died", "", *[f"- {name}: see runs/{name}/failed.txt" for name in failed], ""]
     (results / "summary.md").write_text("\n".join(lines))
     return [results / "summary.md", results / "curves.csv", *(plot(results, rows) if rows else [])]
 
 
-def command_line(args) -> str:
+def command_line(args, rows: list[dict]) -> str:
+    """The command that makes every run in the results (the trainers, loss types and seeds found there: several
+    invocations, on other CPUs, may have shared the work)."""
     if args.quick:
         return "python -m benchmarks.learning_vs_trl --quick"
-    return (f"python -m benchmarks.learning_vs_trl --trainers {args.trainers} --loss-types {args.loss_types} --seeds "
-            f"{args.seeds} --steps {args.steps} --eval-every {args.eval_every} --eval-prompts {args.eval_prompts} "
-            f"--lr {args.lr}" + (f" --cpus {args.cpus}" if args.cpus else ""))  # fmt: skip
+    found = lambda key: ",".join(str(v) for v in dict.fromkeys(r[key] for r in rows))  # noqa: E731
+    return (f"python -m benchmarks.learning_vs_trl --trainers {found('trainer')} --loss-types {found('loss_type')} "
+            f"--seeds {found('seed')} --steps {args.steps} --eval-every {args.eval_every} --eval-prompts "
+            f"{args.eval_prompts} --lr {args.lr} --cpus <one CPU per run>")  # fmt: skip
 
 
 def quick_model(workdir: Path) -> Path:

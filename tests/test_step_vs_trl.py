@@ -15,13 +15,24 @@ from helpers import assert_close
 trl = pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")
 
-from test_trl_dropin import _one_thread, make_trainer, model_dir, reward  # noqa: E402, F401
+from test_trl_dropin import _one_thread, make_trainer, model_dir, reward, tiny_config  # noqa: E402, F401
 
 from grpo_kernels.attention import register_hf_attention  # noqa: E402
 from grpo_kernels.train.rollout import Rollout  # noqa: E402
 from grpo_kernels.train.step import grpo_step  # noqa: E402
 
 LR = 0.5
+
+
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory):
+    """The tiny Qwen2 with its LM head tied to the embedding, as SmolLM2's."""
+    path = tmp_path_factory.mktemp("tiny_qwen2_tied")
+    config = tiny_config()
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return str(path)
 
 
 def trl_step(model_dir, loss_type):  # noqa: F811
@@ -41,8 +52,10 @@ def trl_step(model_dir, loss_type):  # noqa: F811
     return seen[0], update
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied_head"])
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
-def test_grpo_step_on_trls_batch_makes_trls_update(model_dir, loss_type):  # noqa: F811
+def test_grpo_step_on_trls_batch_makes_trls_update(model_dir, tied_model_dir, loss_type, tied):  # noqa: F811
+    model_dir = tied_model_dir if tied else model_dir
     inputs, want = trl_step(model_dir, loss_type)
     prompts = [ids[mask.bool()] for ids, mask in zip(inputs["prompt_ids"], inputs["prompt_mask"], strict=True)]
     completions = [ids[mask.bool()] for ids, mask in zip(inputs["completion_ids"], inputs["completion_mask"],
@@ -65,6 +78,7 @@ def test_grpo_step_on_trls_batch_makes_trls_update(model_dir, loss_type):  # noq
     rollout = dataclasses.replace(rollout, advantages=rollout.advantages._replace(advantages=trls))
     register_hf_attention()
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="grpo_varlen")
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     grpo_step(model, optimizer, rollout, loss_options={"loss_type": loss_type, "epsilon_low": 0.2,

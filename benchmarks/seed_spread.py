@@ -12,7 +12,7 @@ That spread, not the `±` the trainer prints (one evaluation's binomial error), 
 / set_loss_simd(False)); ATEN_CPU_CAPABILITY=avx2 in the environment sends torch's own kernels down their AVX2 paths.
 With --cpus, as many runs at once as CPUs are named, each pinned to its CPU with one thread.
 
-Writes into --out (default benchmarks/results/seed_spread/<config name>): runs/seed<k>/ (metrics.jsonl, eval.jsonl,
+Writes into --out (default benchmarks/results/seed_spread/<config name>): runs/seed<k>/ (eval.jsonl,
 summary.json, config.toml, machine.json), seeds.csv (a row per seed) and summary.md. A finished seed is not run again.
 """
 
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # importable from 
 from benchmarks.common import ROOT, run_logged, run_pinned
 
 COLUMNS = ["seed", "eval_start", "eval_end", "steps", "seconds", "cpu_model", "torch_capability", "package_simd"]
-RUN_FILES = ("metrics.jsonl", "eval.jsonl", "summary.json", "config.toml", "machine.json")
+RUN_FILES = ("eval.jsonl", "summary.json", "config.toml", "machine.json")  # metrics.jsonl (~0.6 MB) stays in --workdir
 # The train CLI in a child process, after recording the machine and (--no-simd) turning this package's SIMD off.
 CHILD = """import json, sys, torch
 import grpo_kernels._C as C

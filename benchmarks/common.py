@@ -161,6 +161,26 @@ def plot_bars(rows: list, path: Path, *, panel: Callable, shape: Callable, xlabe
     plot_panels(panels, path, draw)
 
 
+def number_list(text: str) -> list[int]:
+    """"0-4" or "0,3,7" or "0,2-3" -> the numbers (ValueError on anything else)."""
+    out = []
+    for part in text.split(","):
+        a, _, b = part.partition("-")
+        out += range(int(a), int(b or a) + 1)
+    return out
+
+
+def cpu_numbers(text: str, prog: str) -> list[int]:
+    """--cpus TEXT -> the CPU numbers, or SystemExit with one line when they are not numbers or not this process's."""
+    try:
+        cpus = number_list(text)
+    except ValueError:
+        raise SystemExit(f"{prog}: --cpus {text!r}: CPU numbers expected, e.g. 0 or 0-1 or 0,2") from None
+    if not set(cpus) <= os.sched_getaffinity(0):
+        raise SystemExit(f"{prog}: --cpus {text}: this process may use CPUs {sorted(os.sched_getaffinity(0))} only")
+    return cpus
+
+
 def run_pinned(jobs: list, cpus: list, run: Callable, done: Callable | None = None) -> None:
     """run(job, cpu) for every job, in order, as many at once as there are cpus (one thread per cpu; None: one job
     at a time, unpinned); done(job, result, seconds) after each, one at a time."""

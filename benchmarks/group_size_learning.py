@@ -40,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.common import cpu_numbers, number_list
+
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "benchmarks" / "results" / "group_size_learning"
 SETTINGS = ("2", "4", "8", "16", "32", "adaptive", "dynamic")
@@ -76,21 +78,12 @@ def run_overrides(args, setting: str, seed: int, run_dir: Path) -> list[str]:
             *setting_overrides(setting, adaptive_threshold=args.adaptive_threshold)]  # fmt: skip
 
 
-def cpu_list(cpus: str) -> list[int]:
-    """"0" or "0,1" or "2-3" -> the CPU numbers."""
-    out = []
-    for part in cpus.split(","):
-        a, _, b = part.partition("-")
-        out += range(int(a), int(b or a) + 1)
-    return out
-
-
 def run_env(cpus: str | None) -> dict:
     """A run's environment: with --cpus, that many torch threads and vLLM's OpenMP threads bound to those CPUs (a
     run that shares its cores with other work, or 2 threads spinning for one core, measures that work instead)."""
     env = {**os.environ, "TQDM_DISABLE": "1"}
     if cpus:
-        mine = cpu_list(cpus)
+        mine = number_list(cpus)
         env.update(OMP_NUM_THREADS=str(len(mine)), VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, mine)))
     return env
 
@@ -111,8 +104,9 @@ def train_run(args, setting: str, seed: int, workdir: Path, results: Path) -> st
     with log.open("a") as f:
         f.write(f"$ {' '.join(command)}\n")
         f.flush()
+        pin = (lambda: os.sched_setaffinity(0, number_list(args.cpus))) if args.cpus else None
         done = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=run_env(args.cpus),
-                              preexec_fn=(lambda: os.sched_setaffinity(0, cpu_list(args.cpus))) if args.cpus else None)
+                              preexec_fn=pin)
     if done.returncode != 0:
         tail = log.read_text().strip().splitlines()[-1:] or ["(no output)"]
         raise SystemExit(f"group-size-study: run {name} failed ({log}): {tail[0]}")
@@ -387,14 +381,7 @@ def run(args, out_root: Path | None = None) -> int:
             raise SystemExit(f"group-size-study: unknown --settings {', '.join(bad)} (known: {', '.join(SETTINGS)})")
         seeds = [int(s) for s in args.seeds.split(",")]
         if args.cpus:
-            try:
-                mine = cpu_list(args.cpus)
-            except ValueError:
-                raise SystemExit(f"group-size-study: --cpus {args.cpus!r}: CPU numbers expected, e.g. 0 or 0-1 or "
-                                 "0,2") from None  # fmt: skip
-            if not set(mine) <= os.sched_getaffinity(0):
-                raise SystemExit(f"group-size-study: --cpus {args.cpus}: this process may use CPUs "
-                                 f"{sorted(os.sched_getaffinity(0))} only")  # fmt: skip
+            cpu_numbers(args.cpus, "group-size-study")
         workdir = Path(args.workdir or Path.home() / ".cache" / "grpo-kernels" / "group_size_learning" / name)
         workdir.mkdir(parents=True, exist_ok=True)
         results.mkdir(parents=True, exist_ok=True)

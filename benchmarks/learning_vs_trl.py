@@ -41,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # importable from a plain checkout too
 
-from benchmarks.common import ROOT, run_logged, run_pinned
+from benchmarks.common import ROOT, cpu_numbers, number_list, run_logged, run_pinned
 
 OUT = ROOT / "benchmarks" / "results" / "learning_vs_trl"
 TRAINERS = ("trl", "grpo_kernels", "grpo_kernels_vllm")
@@ -127,7 +127,7 @@ def run_all(args, jobs: list, workdir: Path, results: Path) -> None:
         if what != "done before":
             report(results, args)
 
-    run_pinned(jobs, [int(c) for c in args.cpus.split(",")] if args.cpus else [],
+    run_pinned(jobs, cpu_numbers(args.cpus, "learning-vs-trl") if args.cpus else [],
                lambda job, cpu: run_one(args, job, workdir, results, cpu), done)
 
 
@@ -284,7 +284,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trainers", default="trl,grpo_kernels", help=f"of {', '.join(TRAINERS)}")
     parser.add_argument("--loss-types", default="dapo,grpo")
-    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--seeds", default="0,1,2", help='"0,1,2" or "0-4"')
     for key in ("model", "task", "difficulty", "group_size", "prompts_per_step", "steps", "eval_every",
                 "eval_prompts", "temperature", "max_new_tokens", "lr", "epsilon_high"):  # fmt: skip
         parser.add_argument("--" + key.replace("_", "-"), type=type(DEFAULTS[key]), default=DEFAULTS[key])
@@ -312,10 +312,16 @@ def main(argv=None) -> int:
             except ImportError:
                 raise SystemExit("learning-vs-trl: the trl trainer needs TRL: pip install "
                                  "'grpo-kernels[trl]'") from None
+        try:
+            seeds = number_list(args.seeds)
+        except ValueError:
+            raise SystemExit(f"learning-vs-trl: --seeds {args.seeds!r}: e.g. 0,1,2 or 0-4") from None
+        if args.cpus:
+            cpu_numbers(args.cpus, "learning-vs-trl")  # before any run
         from benchmarks.learning_trl_worker import trl_refusal
         from grpo_kernels.train.config_io import load_config
 
-        jobs = [(t, loss, int(seed)) for seed in args.seeds.split(",") for loss in args.loss_types.split(",")
+        jobs = [(t, loss, seed) for seed in seeds for loss in args.loss_types.split(",")
                 for t in trainers]  # fmt: skip
         for t, loss, seed in jobs[: len(trainers) * len(args.loss_types.split(","))]:
             config = load_config(None, overrides(args, t, loss, seed, workdir / "check"))  # a bad setting: here

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # importable from a plain checkout too
 
-from benchmarks.common import ROOT, run_logged, run_pinned
+from benchmarks.common import ROOT, cpu_numbers, number_list, run_logged, run_pinned
 
 COLUMNS = ["seed", "eval_start", "eval_end", "steps", "seconds", "cpu_model", "torch_capability", "package_simd"]
 RUN_FILES = ("eval.jsonl", "summary.json", "config.toml", "machine.json")  # metrics.jsonl (~0.6 MB) stays in --workdir
@@ -44,15 +44,6 @@ Path(run_dir).mkdir(parents=True, exist_ok=True)
 from grpo_kernels.cli import main
 main(["train", *argv])
 """
-
-
-def seeds_of(text: str) -> list[int]:
-    """"0-4" or "0,3,7" -> the seeds."""
-    out = []
-    for part in text.split(","):
-        a, _, b = part.partition("-")
-        out += range(int(a), int(b or a) + 1)
-    return out
 
 
 def run_seed(args, seed: int, workdir: Path, out: Path, cpu: int | None) -> str:
@@ -130,7 +121,7 @@ def main(argv=None) -> int:
     if not args.config.is_file():
         raise SystemExit(f"seed-spread: --config {args.config} is not a file")
     try:
-        seeds = seeds_of(args.seeds)
+        seeds = number_list(args.seeds)
     except ValueError:
         raise SystemExit(f"seed-spread: --seeds {args.seeds!r}: e.g. 0-4 or 0,3,7") from None
     from grpo_kernels.train.config_io import load_config
@@ -139,6 +130,7 @@ def main(argv=None) -> int:
         load_config(args.config, args.override)  # a bad config or override: here, before any run
     except ValueError as exc:
         raise SystemExit(f"seed-spread: {exc}") from None
+    cpus = cpu_numbers(args.cpus, "seed-spread") if args.cpus else []
     out = args.out or ROOT / "benchmarks" / "results" / "seed_spread" / args.config.stem
     workdir = args.workdir or Path.home() / ".cache" / "grpo-kernels" / "seed_spread" / args.config.stem
     command = " ".join(["python -m benchmarks.seed_spread", f"--config {args.config}", f"--seeds {args.seeds}",
@@ -149,7 +141,7 @@ def main(argv=None) -> int:
         def done(seed, what, seconds):
             print(f"seed {seed}: {what} ({seconds:.0f} s)", flush=True)
 
-        run_pinned(seeds, [int(c) for c in args.cpus.split(",")] if args.cpus else [],
+        run_pinned(seeds, cpus,
                    lambda seed, cpu: run_seed(args, seed, workdir, out, cpu), done)  # fmt: skip
     if not list((out / "runs").glob("seed*/summary.json")):
         raise SystemExit(f"seed-spread: no finished run under {out / 'runs'}")

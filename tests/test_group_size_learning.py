@@ -74,7 +74,7 @@ def test_quick_study_writes_every_file_and_counts_what_the_runs_did(study):
 
 
 def test_cpus_give_the_runs_one_thread_per_cpu_and_vllms_threads_bound_there():
-    assert gl.cpu_list("0,2-3") == [0, 2, 3]
+    assert gl.number_list("0,2-3") == [0, 2, 3]
     env = gl.run_env("0-1")
     assert env["OMP_NUM_THREADS"] == "2" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
     assert gl.run_env(None).get("OMP_NUM_THREADS") == os.environ.get("OMP_NUM_THREADS")  # untouched without

@@ -61,4 +61,8 @@ def test_bad_input_is_refused_in_one_line_before_running(tmp_path):
         seed_spread.main(["--config", str(config), "--seeds", "a-b", *out])
     with pytest.raises(SystemExit, match="seed-spread: .*optim.lr"):
         seed_spread.main(["--config", str(config), "--override=--optim.lr=-1", *out])
+    with pytest.raises(SystemExit, match="seed-spread: --cpus 'one': CPU numbers expected"):
+        seed_spread.main(["--config", str(config), "--cpus", "one", *out])
+    with pytest.raises(SystemExit, match="seed-spread: --cpus 4096: this process may use CPUs"):
+        seed_spread.main(["--config", str(config), "--cpus", "4096", *out])
     assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()

@@ -62,6 +62,13 @@ def test_the_prompts_given_to_trl_are_the_ones_the_trainer_trains_on(tmp_path, m
     assert seen == PromptStream(train_set, 3).take(16)
 
 
+def test_a_prompt_stream_refuses_no_examples_and_a_negative_count():
+    with pytest.raises(ValueError, match="examples is empty"):
+        PromptStream([], 0)
+    with pytest.raises(ValueError, match="n must be >= 0, got -1"):
+        PromptStream(["a"], 0).take(-1)
+
+
 @pytest.mark.parametrize("override, named", [
     ("--task.sft_warmup_steps=10", "task.sft_warmup_steps"),
     ("--group_size.dynamic_sampling=true", "group_size.dynamic_sampling"),

@@ -218,11 +218,15 @@ class PromptStream:
     position through a checkpoint."""
 
     def __init__(self, examples: list, seed: int):
+        if not examples:
+            raise ValueError("PromptStream: examples is empty (no prompt to train on)")
         self.examples, self.order, self.cursor = examples, list(range(len(examples))), 0
         self.rng = random.Random(seed)
 
     def take(self, n: int) -> list:
         """The next n examples."""
+        if n < 0:
+            raise ValueError(f"PromptStream.take: n must be >= 0, got {n}")
         out = []
         for _ in range(n):
             if self.cursor % len(self.order) == 0:

@@ -17,8 +17,23 @@ tests/test_learning_check.py are the ones with seeds 0-2):
   this run is robust, which is why the check runs 5e-4); at 1.5e-3 +0.08 against -0.16 (seeds 0-5); at 2e-3 the
   run fails with the clip too (seeds 0-2: -0.03), so the no-clip variant runs at 1.5e-3, where the clip decides.
 The threshold lies between them: the broken runs end below where they started, the working ones ~0.2 above.
+Every number above is reproduced by this file run as a script (one run at a time, one thread: pin it to a core):
+
+    OMP_NUM_THREADS=1 python tests/learning_check.py --seeds 3-32                       # as configured
+    OMP_NUM_THREADS=1 python tests/learning_check.py --seeds 0-2 --variant flipped      # or stale, or no-clip
+    OMP_NUM_THREADS=1 python tests/learning_check.py --seeds 0-5 --lr 1.5e-3            # the clip on at NO_CLIP_LR
+    OMP_NUM_THREADS=1 python tests/learning_check.py --seeds 3-17 --variant no-clip --lr 1e-3 --eval-prompts 128
 """
 
+import argparse
+import contextlib
+import copy
+import sys
+import tempfile
+from pathlib import Path
+from unittest import mock
+
+from grpo_kernels.train import rollout, step
 from grpo_kernels.train.config_io import load_config
 from grpo_kernels.train.trainer import train
 
@@ -26,6 +41,8 @@ SEEDS = (0, 1, 2)
 RL_STEPS = 80
 MIN_MEAN_GAIN = 0.08
 NO_CLIP_LR = 1.5e-3
+STALE_LAG = 8
+NO_CLIP = ("--loss.epsilon_low=0.999999", "--loss.epsilon_high=1e9")
 
 
 def overrides(seed: int, run_dir) -> list[str]:
@@ -52,3 +69,63 @@ def verdict(values: list[float]) -> tuple[bool, str]:
     mean = sum(values) / len(values)
     shown = ", ".join(f"{v:+.3f}" for v in values)
     return mean >= MIN_MEAN_GAIN, f"mean held-out gain {mean:+.3f} over seeds ({shown}); needs >= {MIN_MEAN_GAIN}"
+
+
+@contextlib.contextmanager
+def flipped_advantages():
+    """Every advantage with its sign flipped."""
+    computed = rollout._advantages
+
+    def flipped(rewards, group_size):
+        a = computed(rewards, group_size)
+        return a._replace(advantages=-a.advantages)
+
+    with mock.patch.object(rollout, "_advantages", flipped):
+        yield
+
+
+@contextlib.contextmanager
+def stale_old_logprobs(lag: int = STALE_LAG, calls: list | None = None):
+    """The old log-probs (the ratio's denominator) of the policy as it was `lag` optimizer steps back, not of the
+    policy that sampled the rollout; calls (if given) gets one entry per computation."""
+    computed, snapshots = step.completion_logprobs, []
+
+    def stale(policy, packed, *, temperature, dist=step.SINGLE):
+        model = policy.model if isinstance(policy, step.Policy) else policy
+        snapshots.append(copy.deepcopy(model.state_dict()))
+        if calls is not None:
+            calls.append(len(snapshots))
+        old = copy.deepcopy(model)
+        old.load_state_dict(snapshots[max(0, len(snapshots) - 1 - lag)])
+        return computed(old, packed, temperature=temperature, dist=dist)
+
+    with mock.patch.object(step, "completion_logprobs", stale):
+        yield
+
+
+def main(argv=None) -> int:
+    from benchmarks.common import number_list
+
+    parser = argparse.ArgumentParser(description="the learning check over any seeds, as configured or broken")
+    parser.add_argument("--seeds", default="0-2", help='"0-2" or "3,7"')
+    parser.add_argument("--variant", choices=("none", "flipped", "stale", "no-clip"), default="none")
+    parser.add_argument("--lr", type=float, help=f"default 5e-4 ({NO_CLIP_LR} with --variant no-clip)")
+    parser.add_argument("--eval-prompts", type=int, help="held-out prompts (default 256)")
+    args = parser.parse_args(argv)
+    extra = [*([f"--task.num_eval_prompts={args.eval_prompts}"] if args.eval_prompts else []),
+             *(NO_CLIP if args.variant == "no-clip" else ())]
+    if args.lr or args.variant == "no-clip":
+        extra.append(f"--optim.lr={args.lr or NO_CLIP_LR}")
+    broken = {"flipped": flipped_advantages, "stale": stale_old_logprobs}.get(args.variant, contextlib.nullcontext)
+    with tempfile.TemporaryDirectory() as tmp, broken():
+        values = []
+        for seed in number_list(args.seeds):
+            values += gains(Path(tmp), (seed,), tuple(extra))
+            print(f"seed {seed}: {values[-1]:+.3f}", flush=True)
+    print(verdict(values)[1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.common, run as a script
+    sys.exit(main())

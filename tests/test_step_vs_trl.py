@@ -35,9 +35,9 @@ def tied_model_dir(tmp_path_factory):
     return str(path)
 
 
-def trl_step(model_dir, loss_type):  # noqa: F811
+def trl_step(model_dir, loss_type, temperature=1.0):  # noqa: F811
     """(the inputs TRL's loss saw, TRL's parameter update) of one TRL step."""
-    trainer = make_trainer(trl.GRPOTrainer, model_dir, lr=LR, loss_type=loss_type)
+    trainer = make_trainer(trl.GRPOTrainer, model_dir, lr=LR, loss_type=loss_type, temperature=temperature)
     before = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
     seen, compute_loss = [], trainer.compute_loss
 
@@ -52,11 +52,12 @@ def trl_step(model_dir, loss_type):  # noqa: F811
     return seen[0], update
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied_head"])
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
-def test_grpo_step_on_trls_batch_makes_trls_update(model_dir, tied_model_dir, loss_type, tied):  # noqa: F811
+@pytest.mark.parametrize("loss_type, tied, temperature", [("dapo", False, 1.0), ("grpo", False, 1.0),
+                                                          ("dapo", True, 0.7), ("grpo", True, 0.7)],
+                         ids=["dapo-untied", "grpo-untied", "dapo-tied_head-T0.7", "grpo-tied_head-T0.7"])
+def test_grpo_step_on_trls_batch_makes_trls_update(model_dir, tied_model_dir, loss_type, tied, temperature):  # noqa: F811
     model_dir = tied_model_dir if tied else model_dir
-    inputs, want = trl_step(model_dir, loss_type)
+    inputs, want = trl_step(model_dir, loss_type, temperature)
     prompts = [ids[mask.bool()] for ids, mask in zip(inputs["prompt_ids"], inputs["prompt_mask"], strict=True)]
     completions = [ids[mask.bool()] for ids, mask in zip(inputs["completion_ids"], inputs["completion_mask"],
                                                          strict=True)]  # fmt: skip
@@ -83,7 +84,7 @@ def test_grpo_step_on_trls_batch_makes_trls_update(model_dir, tied_model_dir, lo
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     grpo_step(model, optimizer, rollout, loss_options={"loss_type": loss_type, "epsilon_low": 0.2,
                                                        "epsilon_high": 0.28, "beta": 0.0},
-              temperature=1.0, token_budget=64, shared_prefix=True, grad_clip=1.0)  # fmt: skip
+              temperature=temperature, token_budget=64, shared_prefix=True, grad_clip=1.0)  # fmt: skip
     got = torch.cat([(p.detach() - before[k]).flatten() for k, p in model.named_parameters()])
     want = torch.cat([want[k].flatten() for k, _ in model.named_parameters()])
     scale = want.abs().max()

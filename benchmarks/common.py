@@ -161,6 +161,22 @@ def plot_bars(rows: list, path: Path, *, panel: Callable, shape: Callable, xlabe
     plot_panels(panels, path, draw)
 
 
+# two-sided 95 % quantiles of Student's t by degrees of freedom 1..30
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t975(dof: int) -> float:
+    """The two-sided 95 % quantile of Student's t with dof degrees of freedom (beyond 30: the normal quantile with
+    the first two terms of its Cornish-Fisher expansion, within 1e-4)."""
+    if dof < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {dof}")
+    if dof <= len(_T975):
+        return _T975[dof - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * dof) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * dof**2)
+
+
 def number_list(text: str) -> list[int]:
     """"0-4" or "0,3,7" or "0,2-3" -> the numbers (ValueError on anything else)."""
     out = []

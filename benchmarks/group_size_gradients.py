@@ -31,10 +31,11 @@ from pathlib import Path
 import group_size_model  # the results directory of a (model, task, difficulty)
 import torch
 
+from benchmarks.common import t975
+
 GROUP_SIZES = (2, 4, 8, 16, 32)
 COLUMNS = ["G", "repeat", "prompts", "cosine", "norm_a", "norm_b", "valid_a", "valid_b", "reward_a", "reward_b",
            "sample_s", "grad_s"]  # fmt: skip
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
 
 class GradientRecorder:
@@ -83,7 +84,7 @@ def jackknife_snr(gram: list[list[float]]) -> tuple[float, float]:
     if any(math.isnan(v) for v in loo):
         return math.nan, math.nan
     mean = sum(loo) / n
-    half = T975.get(n - 1, 1.96) * math.sqrt((n - 1) / n * sum((v - mean) ** 2 for v in loo))
+    half = t975(n - 1) * math.sqrt((n - 1) / n * sum((v - mean) ** 2 for v in loo))
     point = snr(gram)
     return max(point - half, 0.0), point + half
 
@@ -99,7 +100,7 @@ def summarize(rows: list[dict], grams: dict) -> list[dict]:
         n = len(cos)
         mean = sum(cos) / n
         sd = math.sqrt(sum((c - mean) ** 2 for c in cos) / (n - 1)) if n > 1 else float("nan")
-        half = T975.get(n - 1, 1.96) * sd / math.sqrt(n)
+        half = t975(n - 1) * sd / math.sqrt(n)
         lo, hi = jackknife_snr(gram)
         valid = [float(r[k]) for r in rs for k in ("valid_a", "valid_b")]
         reward = [float(r[k]) for r in rs for k in ("reward_a", "reward_b")]

@@ -41,15 +41,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # importable from a plain checkout too
 
-from benchmarks.common import ROOT, cpu_numbers, number_list, run_logged, run_pinned
+from benchmarks.common import ROOT, cpu_numbers, number_list, run_logged, run_pinned, t975
 
 OUT = ROOT / "benchmarks" / "results" / "learning_vs_trl"
 TRAINERS = ("trl", "grpo_kernels", "grpo_kernels_vllm")
 RUN_FILES = ("metrics.jsonl", "eval.jsonl", "summary.json")
 CURVE_COLUMNS = ["trainer", "loss_type", "seed", "step", "completions", "sampled_tokens", "generate_s", "train_s",
                  "wall_s", "eval_success"]  # fmt: skip
-# two-sided 95 % quantiles of Student's t by degrees of freedom (n - 1 for n seeds)
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 DEFAULTS = dict(model="smollm2-135m", task="arith", difficulty=2, group_size=8, prompts_per_step=8, steps=40,
                 eval_every=4, eval_prompts=256, temperature=0.7, max_new_tokens=24, lr=2e-5, epsilon_high=0.28)
 QUICK = dict(DEFAULTS, model=None, task="add", difficulty=1, group_size=4, prompts_per_step=2, steps=2, eval_every=2,
@@ -166,7 +164,7 @@ def mean_ci(values: list[float]) -> tuple:
     if n < 2:
         return mean, float("nan")
     var = sum((v - mean) ** 2 for v in values) / (n - 1)
-    return mean, T95.get(n - 1, 1.96) * (var / n) ** 0.5
+    return mean, t975(n - 1) * (var / n) ** 0.5
 
 
 def summary_lines(rows: list[dict]) -> list[str]:

@@ -23,7 +23,7 @@ from grpo_kernels.train.tasks import CharTokenizer, tiny_model
 ARGS = ["--optim.steps=2", "--optim.lr=1e-2", "--sampling.group_size=8", "--sampling.prompts_per_step=2",
         "--sampling.max_new_tokens=4", "--task.name=add", "--task.sft_warmup_steps=40", "--task.num_eval_prompts=2",
         "--task.num_train_prompts=16", "--model.hidden_size=32", "--model.num_layers=1", "--packing.token_budget=48",
-        "--checkpoint.every=1"]  # fmt: skip
+        "--checkpoint.every=1", "--logging.completions_every=1"]  # fmt: skip
 SHARD = "__0_0.distcp"
 DROP = ("elapsed_s", "train_tokens_per_s", "train_step_s", "rollout_generate_s", "weight_sync_s")  # timings
 
@@ -143,6 +143,8 @@ def test_resume_step_falls_back_to_the_previous_checkpoint_and_replays_exactly(r
     _flip_4k(run / "checkpoints" / "step_2" / SHARD)
     main(["train", "--resume", str(run), "--checkpoint.resume_step=1"])
     assert _metrics(run) == _metrics(trained)
+    texts = (run / "completions.jsonl").read_text()  # the replayed step's lines replace the dropped ones
+    assert texts == (trained / "completions.jsonl").read_text() and len(texts.splitlines()) == 2 * 16
     verify_checkpoint(run / "checkpoints" / "step_2")  # the damaged checkpoint was written again
     before, after = _weights(trained / "checkpoints" / "step_1"), _weights(run / "checkpoints" / "step_2")
     assert any(not torch.equal(before[k], after[k]) for k in after), "the replayed step changed nothing"

@@ -134,6 +134,17 @@ def test_tensorboard_gets_every_metric_of_every_step(tmp_path):
     assert [e.value for e in events.Scalars("reward")] == pytest.approx([r["reward"] for r in rows])
 
 
+def test_completions_every_writes_each_completion_of_those_steps_with_its_reward(tmp_path):
+    rows = _short_run(tmp_path / "run", "--task.name=add", "--optim.steps=3", "--logging.completions_every=2")
+    texts = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert [t["step"] for t in texts] == [0] * 16 + [2] * 16  # G = 4 x 4 prompts, steps 0 and 2
+    for step in (0, 2):
+        mine = [t for t in texts if t["step"] == step]
+        assert [t["group"] for t in mine] == [k for k in range(4) for _ in range(4)]
+        assert all(t["prompt"].endswith("=") and len(t["completion"]) <= t["tokens"] <= 4 for t in mine)
+        assert sum(t["reward"] for t in mine) / 16 == pytest.approx(rows[step]["reward"])
+
+
 @pytest.mark.parametrize("where", ["a file", "under a file"])
 def test_a_run_dir_that_cannot_be_a_directory_is_one_error_line(tmp_path, where):
     (tmp_path / "file").write_text("")

@@ -136,6 +136,14 @@ def test_arith_task_rewards_correctness_plus_a_format_bonus():
     assert task.reward(f"{e.answer} or {int(e.answer) + 1}", e) == 0.0  # the last number counts
     assert task.reward(str(int(e.answer) + 1), e) == bonus and task.correct(str(int(e.answer) + 1), e) == 0.0
     assert task.reward("", e) == 0.0 and task.reward("I do not know", e) == 0.0
+    plain = make_task("arith", difficulty=1, format_weight=0.0)  # correctness alone: no pay for a bare guess
+    assert plain.reward(e.answer, e) == 1.0 and plain.reward(str(int(e.answer) + 1), e) == 0.0
+    assert make_task("arith", format_weight=0.5).reward(e.answer, e) == 1.5
+    for bad in (-0.1, 1.5, True, "0.2"):
+        with pytest.raises(ValueError, match="format_weight must be a number in"):
+            make_task("arith", format_weight=bad)
+    with pytest.raises(ValueError, match="task 'add' has none"):
+        make_task("add", format_weight=0.0)
     harder = make_task("arith", difficulty=4).examples(300, seed=0)
     assert any(" - " in e.prompt for e in harder) and all(e.prompt.count(" ") >= 8 for e in harder)
     assert all(int(e.answer) >= 0 for e in harder) and max(len(e.answer) for e in harder) >= 4

@@ -104,6 +104,11 @@ class TaskConfig:
     reward: str = "exact"
     """Reward of a "jsonl" task: "exact" (stripped string match), "numeric" (the last number in the completion)
     or "math_verify" (needs the math_verify package); the built-in tasks bring their own."""
+    format_weight: float | None = None
+    """"arith" only: the reward's bonus for a completion that is one bare integer, in [0, 1] (None = 0.2). The
+    bonus is paid for wrong bare answers too, so a policy can trade correctness for it: at 0.2, runs of SmolLM2 at
+    lr 2e-5 fall into answering bare guesses (benchmarks/results/learning_vs_trl/reading.md); 0 pays correctness
+    alone."""
     num_train_prompts: int = 512
     """Training prompts (a built-in task generates them; "jsonl" takes at most this many)."""
     num_eval_prompts: int = 64
@@ -134,6 +139,10 @@ class TaskConfig:
         if self.system_prompt is not None:
             _check(self, "system_prompt", self.chat_template != "off", 'none when task.chat_template is "off"')
         _check(self, "difficulty", 1 <= self.difficulty <= 10, "in 1..10")
+        if self.format_weight is not None:
+            _check(self, "format_weight", self.name == "arith", 'none unless task.name is "arith" (the only task '
+                   "with a format bonus)")
+            _check(self, "format_weight", 0.0 <= self.format_weight <= 1.0, "in [0, 1] or none")
         if self.eval_every:
             _check(self, "eval_every", self.num_eval_prompts > 0, "0 when task.num_eval_prompts is 0")
         if self.target_success is not None:
@@ -413,9 +422,12 @@ class LoggingConfig:
     """Log metrics every this many steps."""
     tensorboard: bool = False
     """Also write TensorBoard events (needs the tensorboard package)."""
+    completions_every: int = 0
+    """Write every completion of every this many steps to completions.jsonl (step, group, prompt, text, reward,
+    truncated), to read what the policy says (0 = never)."""
 
     def __post_init__(self):
-        _validate(self, at_least={"log_every": 1})
+        _validate(self, at_least={"log_every": 1, "completions_every": 0})
         _check(self, "run_dir", self.run_dir != "", "a non-empty path")
 
 

@@ -161,6 +161,14 @@ class ArithTask(Task):
     FORMAT_WEIGHT = 0.2
     INSTRUCTION = "Reply with only the number."
 
+    def __init__(self, difficulty: int = 1, *, format_weight: float | None = None):
+        super().__init__(difficulty)
+        if format_weight is not None:
+            if isinstance(format_weight, bool) or not isinstance(format_weight, (int, float)) or not (
+                    0.0 <= format_weight <= 1.0):  # fmt: skip
+                raise ValueError(f"format_weight must be a number in [0, 1], got {format_weight!r}")
+            self.FORMAT_WEIGHT = float(format_weight)
+
     def example(self, rng):
         d = self.difficulty
         terms = [rng.randint(0, 10 ** rng.randint(1, min(d, 9)) - 1) for _ in range(3 if d >= 4 else 2)]
@@ -244,14 +252,20 @@ class PromptStream:
         self.rng.setstate((rng[0], tuple(rng[1]), rng[2]))
 
 
-def make_task(name: str, *, difficulty: int = 1, path=None, reward: str = "exact") -> Task:
-    """A built-in task ("reverse", "add", "arith") at a difficulty, or "jsonl" from `path`."""
+def make_task(name: str, *, difficulty: int = 1, path=None, reward: str = "exact",
+              format_weight: float | None = None) -> Task:  # fmt: skip
+    """A built-in task ("reverse", "add", "arith") at a difficulty, or "jsonl" from `path`; format_weight: arith's
+    bonus for a bare-integer answer (None: ArithTask.FORMAT_WEIGHT), refused for the other tasks."""
     if name == "jsonl":
         if path is None:
             raise ValueError("task 'jsonl' needs a path")
         return JsonlTask(path, reward=reward)
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; built-in tasks: {sorted(TASKS)} (or 'jsonl')")
+    if format_weight is not None:
+        if name != "arith":
+            raise ValueError(f"format_weight is arith's format bonus; task {name!r} has none")
+        return ArithTask(difficulty, format_weight=format_weight)
     return TASKS[name](difficulty)
 
 

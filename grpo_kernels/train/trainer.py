@@ -74,6 +74,18 @@ def _sample(sampler, tok, task, examples, g: int, seeds: list, d: Dist, *, score
     return Rollout.concat([p for _, p in gathered]).select([position[k] for k in range(len(examples))])
 
 
+def _write_completions(file, step: int, rollout: Rollout, tok) -> None:
+    """One completions.jsonl line per completion of the step's rollout."""
+    truncated = rollout.truncated or [None] * len(rollout.completion_ids)
+    for i, (p, c) in enumerate(zip(rollout.prompt_ids, rollout.completion_ids, strict=True)):
+        file.write(json.dumps({"step": step, "group": int(rollout.group_ids[i]),
+                               "prompt": tok.tokenizer.decode(list(map(int, p))) if hasattr(tok, "tokenizer")
+                               else tok.decode(p), "completion": tok.decode(c),
+                               "reward": float(rollout.rewards.flatten()[i]), "tokens": len(c),
+                               "truncated": truncated[i]}) + "\n")  # fmt: skip
+    file.flush()
+
+
 def evaluate(sampler, tok, task, examples, *, seed: int, d: Dist = SINGLE) -> float:
     """Success rate (`task.correct`) of one sampled answer per held-out prompt."""
     if not examples:
@@ -128,7 +140,7 @@ def task_examples(config: TrainConfig):
     """(task, training examples, held-out examples) of a run: what it trains on (in `PromptStream(train,
     config.seed)` order) and evaluates on."""
     t = config.task
-    task = make_task(t.name, difficulty=t.difficulty, path=t.path, reward=t.reward)
+    task = make_task(t.name, difficulty=t.difficulty, path=t.path, reward=t.reward, format_weight=t.format_weight)
     return task, task.examples(t.num_train_prompts, seed=t.seed), task.examples(t.num_eval_prompts, seed=t.seed + 1)
 
 
@@ -396,12 +408,15 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
         once = dataclasses.replace(config.checkpoint, resume_step=None, allow_config_change=False)
         save_config(dataclasses.replace(config, checkpoint=once), run_dir / "config.toml")
     metrics_path, eval_path = run_dir / "metrics.jsonl", run_dir / "eval.jsonl"
-    kept, kept_evals = [], []
+    texts_path = run_dir / "completions.jsonl"
+    kept, kept_evals, kept_texts = [], [], []
     if checkpoint is not None:  # drop the steps after the checkpoint
         if metrics_path.exists():
             kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] < first]
         if eval_path.exists():
             kept_evals = [line for line in eval_path.read_text().splitlines() if json.loads(line)["step"] < first]
+        if texts_path.exists():
+            kept_texts = [line for line in texts_path.read_text().splitlines() if json.loads(line)["step"] < first]
     writer = None
     if config.logging.tensorboard and d.is_main:
         from torch.utils.tensorboard import SummaryWriter
@@ -429,6 +444,9 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
     evals = eval_path.open("w") if d.is_main and config.task.eval_every else None
     if evals is not None:
         evals.writelines(line + "\n" for line in kept_evals)
+    texts = texts_path.open("w") if d.is_main and config.logging.completions_every else None
+    if texts is not None:
+        texts.writelines(line + "\n" for line in kept_texts)
     reached = None  # the step after which a held-out evaluation reached task.target_success
     evaluated = (None, None)  # (step, success) of the latest evaluation in the loop
     compute_old = loss_options.get("sampler_is_mode") is not None or s.sampler == "vllm"  # the mismatch metric
@@ -482,6 +500,8 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
                            group_size=g, prompts_sampled=sampled, resample_rounds=rounds,
                            completions_sampled=sampled * g, sampled_tokens=tokens)  # fmt: skip
             log_metrics(metrics)
+            if texts is not None and step % config.logging.completions_every == 0:
+                _write_completions(texts, step, rollout, tok)
             if bar is not None:
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", invalid=f"{metrics['invalid_group_rate']:.2f}",
                                 tok_s=f"{metrics['train_tokens_per_s']:.0f}")  # fmt: skip
@@ -524,6 +544,8 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
         out.close()
     if evals is not None:
         evals.close()
+    if texts is not None:
+        texts.close()
     if bar is not None:
         bar.close()
     if writer is not None:

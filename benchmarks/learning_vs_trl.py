@@ -1,7 +1,7 @@
 """Learning held to a reference: the same GRPO run in TRL's GRPOTrainer and in `grpo-kernels train`, over seeds and
 loss types, held-out success every few steps evaluated by the same code.
 
-    python -m benchmarks.learning_vs_trl [--trainers trl,grpo_kernels] [--loss-types dapo,grpo] [--seeds 0,1,2]
+    python -m benchmarks.learning_vs_trl [--trainers trl,grpo_kernels] [--loss-types dapo,grpo] [--seeds 0,1,2] [--format-weight W]
         [--steps 40] [--eval-every 4] [--eval-prompts 256] [--lr 2e-5] [--cpus 0,1] [--workdir DIR]
     python -m benchmarks.learning_vs_trl --plot-only        # the report from the per-run files alone
     python -m benchmarks.learning_vs_trl --quick            # the smoke test: a tiny chat model, 2 steps
@@ -67,7 +67,8 @@ def overrides(args, trainer: str, loss_type: str, seed: int, run_dir: Path) -> l
             f"--loss.loss_type={loss_type}", "--loss.epsilon_low=0.2", f"--loss.epsilon_high={args.epsilon_high}",
             "--loss.beta=0.0", "--packing.shared_prefix=true", "--model.activation_checkpointing=none",
             f"--logging.run_dir={run_dir}", "--logging.log_every=1", "--checkpoint.every=8",
-            "--checkpoint.keep_last=1"]  # fmt: skip
+            "--checkpoint.keep_last=1",
+            *([f"--task.format_weight={args.format_weight}"] if args.format_weight is not None else [])]  # fmt: skip
 
 
 def command(args, trainer: str, loss_type: str, seed: int, run_dir: Path) -> list[str]:
@@ -262,7 +263,9 @@ def command_line(args, rows: list[dict]) -> str:
     found = lambda key: ",".join(str(v) for v in dict.fromkeys(r[key] for r in rows))  # noqa: E731
     return (f"python -m benchmarks.learning_vs_trl --trainers {found('trainer')} --loss-types {found('loss_type')} "
             f"--seeds {found('seed')} --steps {args.steps} --eval-every {args.eval_every} --eval-prompts "
-            f"{args.eval_prompts} --lr {args.lr} --cpus <one CPU per run>")  # fmt: skip
+            f"{args.eval_prompts} --lr {args.lr}"
+            + (f" --format-weight {args.format_weight}" if args.format_weight is not None else "")
+            + " --cpus <one CPU per run>")  # fmt: skip
 
 
 def quick_model(workdir: Path) -> Path:
@@ -286,6 +289,8 @@ def main(argv=None) -> int:
     for key in ("model", "task", "difficulty", "group_size", "prompts_per_step", "steps", "eval_every",
                 "eval_prompts", "temperature", "max_new_tokens", "lr", "epsilon_high"):  # fmt: skip
         parser.add_argument("--" + key.replace("_", "-"), type=type(DEFAULTS[key]), default=DEFAULTS[key])
+    parser.add_argument("--format-weight", type=float, help="arith's bare-integer bonus (task.format_weight; "
+                        "default: the task's 0.2); give another --workdir and --results: the run names do not say it")
     parser.add_argument("--cpus", help="run this many at once, each pinned to one of these CPUs (e.g. 0,1)")
     parser.add_argument("--workdir", type=Path, help="default ~/.cache/grpo-kernels/learning_vs_trl")
     parser.add_argument("--results", type=Path, default=OUT)

@@ -1,8 +1,9 @@
 """Learning held to a reference: the same GRPO run in TRL's GRPOTrainer and in `grpo-kernels train`, over seeds and
 loss types, held-out success every few steps evaluated by the same code.
 
-    python -m benchmarks.learning_vs_trl [--trainers trl,grpo_kernels] [--loss-types dapo,grpo] [--seeds 0,1,2] [--format-weight W]
-        [--steps 40] [--eval-every 4] [--eval-prompts 256] [--lr 2e-5] [--cpus 0,1] [--workdir DIR]
+    python -m benchmarks.learning_vs_trl [--trainers trl,grpo_kernels] [--loss-types dapo,grpo] [--seeds 0,1,2]
+        [--format-weight W] [--steps 40] [--eval-every 4] [--eval-prompts 256] [--lr 2e-5] [--cpus 0,1]
+        [--workdir DIR]
     python -m benchmarks.learning_vs_trl --plot-only        # the report from the per-run files alone
     python -m benchmarks.learning_vs_trl --quick            # the smoke test: a tiny chat model, 2 steps
 

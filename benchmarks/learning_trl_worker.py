@@ -14,6 +14,11 @@ model (one sampled answer per held-out prompt at the training temperature, the s
 and after every task.eval_every steps. TRL saves a checkpoint every checkpoint.every steps (the latest kept); a run
 that finds one resumes from it.
 
+`--draw ours` swaps TRL's random stream for ours: its training rollouts are drawn with `grpo-kernels train`'s
+seeded Gumbel-max (`HFSampler`'s draw, the row seeds our trainer gives row j of prompt k at step t) instead of HF's
+do_sample from the global RNG; everything else is TRL's. Same seed, same model, same prompts: TRL's first step
+then samples the completions ours samples (`seeded_draw`).
+
 Writes into --run-dir what `grpo-kernels train` writes: metrics.jsonl (TRL's log of each step), eval.jsonl (one line
 per evaluation with cumulative completions, tokens and seconds generating / training), summary.json.
 """
@@ -71,7 +76,46 @@ def grpo_config(config, run_dir: Path):
     )  # fmt: skip
 
 
-def run(run_dir: Path, overrides: list[str]) -> dict:
+def seeded_draw(trainer, config) -> None:
+    """Draw TRL's training rollouts as `grpo-kernels train` draws them: TRL's generate batch is prompt-major (each
+    prompt's G rows together, `RepeatSampler`) and generated once per step, so row r of step t is member r % G of
+    prompt r // G and gets our trainer's seed for it. Other generate calls on the model (the held-out evaluation)
+    are left alone."""
+    import copy
+
+    import torch
+    from transformers import LogitsProcessorList
+
+    from grpo_kernels.train.sampler import _SeededSampling, row_seed
+    from grpo_kernels.train.trainer import _seed
+
+    s, model = config.sampling, trainer.model
+    generate, single_turn, training = model.generate, trainer._generate_single_turn, [False]
+
+    def drawn(*args, generation_config=None, **kwargs):
+        if not training[0]:
+            return generate(*args, generation_config=generation_config, **kwargs)
+        rows, step = kwargs["input_ids"].shape[0], trainer.state.global_step
+        if rows % s.group_size:
+            raise RuntimeError(f"learning-vs-trl: TRL generated {rows} rows, not whole groups of {s.group_size}")
+        generators = [torch.Generator().manual_seed(row_seed(_seed(config.seed, step, 0, r // s.group_size),
+                                                            r % s.group_size)) for r in range(rows)]  # fmt: skip
+        greedy = copy.deepcopy(generation_config)  # our processor draws; generate's greedy step takes its token
+        greedy.do_sample, greedy.temperature, greedy.top_p, greedy.top_k, greedy.min_p = False, 1.0, 1.0, None, None
+        draw = _SeededSampling(generators, s.temperature, s.top_p)
+        return generate(*args, generation_config=greedy, logits_processor=LogitsProcessorList([draw]), **kwargs)
+
+    def flagged(*args, **kwargs):
+        training[0] = True
+        try:
+            return single_turn(*args, **kwargs)
+        finally:
+            training[0] = False
+
+    model.generate, trainer._generate_single_turn = drawn, flagged
+
+
+def run(run_dir: Path, overrides: list[str], draw: str = "hf") -> dict:
     import torch
     import transformers
     import trl
@@ -124,6 +168,8 @@ def run(run_dir: Path, overrides: list[str]) -> dict:
     if differ:
         raise SystemExit(f"learning-vs-trl: TRL tokenizes {len(differ)} of the {len(stream)} prompts differently "
                          f"from grpo-kernels train (first: prompt {differ[0]})")  # fmt: skip
+    if draw == "ours":
+        seeded_draw(trainer, config)
     sampler = HFSampler(trainer.model, eos_id=tok.eos_id, pad_id=tok.pad_id, stop_ids=tok.stop_ids,
                         max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                         max_batch_rows=s.hf_max_batch_rows)  # fmt: skip
@@ -216,9 +262,11 @@ def _train(trainer, config, run_dir, sampler, tok, task, eval_set, evaluate, mis
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--draw", choices=("hf", "ours"), default="hf",
+                        help="the training rollouts' draw: HF's do_sample (TRL's own) or grpo-kernels' seeded one")
     parser.add_argument("overrides", nargs="*", help="the `grpo-kernels train` overrides of the run (after --)")
     args = parser.parse_args()
-    run(args.run_dir, args.overrides)
+    run(args.run_dir, args.overrides, args.draw)
 
 
 if __name__ == "__main__":

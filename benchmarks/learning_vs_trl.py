@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # importable from 
 from benchmarks.common import ROOT, cpu_numbers, number_list, run_logged, run_pinned, t975
 
 OUT = ROOT / "benchmarks" / "results" / "learning_vs_trl"
-TRAINERS = ("trl", "grpo_kernels", "grpo_kernels_vllm")
+TRAINERS = ("trl", "grpo_kernels", "grpo_kernels_vllm", "trl_ourdraw")  # trl_ourdraw: TRL with our random stream
 RUN_FILES = ("metrics.jsonl", "eval.jsonl", "summary.json")
 CURVE_COLUMNS = ["trainer", "loss_type", "seed", "step", "completions", "sampled_tokens", "generate_s", "train_s",
                  "wall_s", "eval_success"]  # fmt: skip
@@ -75,8 +75,9 @@ def overrides(args, trainer: str, loss_type: str, seed: int, run_dir: Path) -> l
 def command(args, trainer: str, loss_type: str, seed: int, run_dir: Path) -> list[str]:
     """The process of one run: a fresh one, or the resumption of a run cut short."""
     extra = overrides(args, trainer, loss_type, seed, run_dir)
-    if trainer == "trl":
-        return [sys.executable, "-m", "benchmarks.learning_trl_worker", "--run-dir", str(run_dir), "--", *extra]
+    if trainer in ("trl", "trl_ourdraw"):
+        return [sys.executable, "-m", "benchmarks.learning_trl_worker", "--run-dir", str(run_dir), "--draw",
+                "ours" if trainer == "trl_ourdraw" else "hf", "--", *extra]  # fmt: skip
     cli = [sys.executable, "-m", "grpo_kernels.cli", "train"]
     if any((run_dir / "checkpoints").glob("step_*")):
         return [*cli, "--resume", str(run_dir)]
@@ -202,7 +203,8 @@ def plot(results: Path, rows: list[dict]) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colour = {"trl": "tab:orange", "grpo_kernels": "tab:blue", "grpo_kernels_vllm": "tab:green"}
+    colour = {"trl": "tab:orange", "grpo_kernels": "tab:blue", "grpo_kernels_vllm": "tab:green",
+              "trl_ourdraw": "tab:red"}
     paths = []
     for loss_type in dict.fromkeys(r["loss_type"] for r in rows):
         mine = [r for r in rows if r["loss_type"] == loss_type]
@@ -310,7 +312,7 @@ def main(argv=None) -> int:
         bad = [t for t in trainers if t not in TRAINERS]
         if bad:
             raise SystemExit(f"learning-vs-trl: unknown --trainers {', '.join(bad)} (known: {', '.join(TRAINERS)})")
-        if "trl" in trainers:
+        if any(t.startswith("trl") for t in trainers):
             try:
                 import trl  # noqa: F401
             except ImportError:
@@ -329,7 +331,7 @@ def main(argv=None) -> int:
                 for t in trainers]  # fmt: skip
         for t, loss, seed in jobs[: len(trainers) * len(args.loss_types.split(","))]:
             config = load_config(None, overrides(args, t, loss, seed, workdir / "check"))  # a bad setting: here
-            refusal = trl_refusal(config) if t == "trl" else None
+            refusal = trl_refusal(config) if t.startswith("trl") else None
             if refusal:
                 raise SystemExit(f"learning-vs-trl: TRL cannot run {refusal}")
         workdir.mkdir(parents=True, exist_ok=True)

@@ -105,3 +105,46 @@ def test_a_run_another_invocation_holds_is_left_to_it(tmp_path):
         what = learning_vs_trl.run_one(None, ("trl", "dapo", 0), work, results, None)
     assert what == "running in another process: left to it"
     assert not (results / "runs").exists() and not (work / "trl_dapo_seed0.log").exists()
+
+
+def test_trl_with_our_draw_samples_the_completions_our_trainer_samples(tmp_path, monkeypatch):
+    """`--draw ours` (the trl_ourdraw rows): TRL's first rollout is the one `grpo-kernels train` samples from the same
+    weights, prompts and seed, token for token; its held-out evaluation is left to the usual sampler."""
+    import types
+
+    from benchmarks import learning_trl_worker
+
+    args = types.SimpleNamespace(**{**learning_vs_trl.QUICK, "steps": 1, "format_weight": None})
+    args.model = str(learning_vs_trl.quick_model(tmp_path))
+    theirs, ours = [], []
+    seeded_draw = learning_trl_worker.seeded_draw
+
+    def recording_draw(trainer, config):
+        seeded_draw(trainer, config)
+        single_turn = trainer._generate_single_turn
+
+        def recorded(*a, **k):
+            completion_ids, logprobs = single_turn(*a, **k)
+            theirs.extend(completion_ids)  # in the generate batch's order (TRL shuffles it before its loss)
+            return completion_ids, logprobs
+
+        trainer._generate_single_turn = recorded
+
+    monkeypatch.setattr(learning_trl_worker, "seeded_draw", recording_draw)
+    learning_trl_worker.run(tmp_path / "trl", learning_vs_trl.overrides(args, "trl_ourdraw", "dapo", 0,
+                                                                        tmp_path / "trl"), draw="ours")  # fmt: skip
+    sample = trainer_module._sample
+
+    def recording(sampler, tok, task, examples, g, seeds, d, *, score=None):
+        rollout = sample(sampler, tok, task, examples, g, seeds, d, score=score)
+        if score is None:  # the training batch
+            ours.extend([c.tolist() for c in rollout.completion_ids])
+        return rollout
+
+    monkeypatch.setattr(trainer_module, "_sample", recording)
+    config = load_config(None, learning_vs_trl.overrides(args, "grpo_kernels", "dapo", 0, tmp_path / "ours"))
+    trainer_module.train(config, log=lambda *a, **k: None)
+    assert len(ours) == 8 and len({tuple(c) for c in ours}) > 1  # 2 prompts x G = 4, not all alike
+    assert theirs == ours
+    both = json.loads((tmp_path / "trl" / "summary.json").read_text())["eval_success_start"]
+    assert both == json.loads((tmp_path / "ours" / "summary.json").read_text())["eval_success_start"]

@@ -7,17 +7,18 @@ loss types, held-out success every few steps evaluated by the same code.
     python -m benchmarks.learning_vs_trl --plot-only        # the report from the per-run files alone
     python -m benchmarks.learning_vs_trl --quick            # the smoke test: a tiny chat model, 2 steps
 
-The run (defaults): SmolLM2-135M-Instruct (`grpo-kernels prepare-model smollm2-135m`, done on first use), the
-built-in "arith" task at difficulty 2 (base held-out success ~0.17 at temperature 0.7) with its chat template and
-reward, G = 8, 8 prompts per step, temperature 0.7, 24 new tokens, AdamW lr 2e-5 (betas 0.9 / 0.95, no weight
-decay), grad clip 1, constant lr, no warm-up, beta 0, epsilon 0.2 / 0.28, fp32, HF `generate` as the sampler of both
-(the "grpo_kernels_vllm" trainer samples with vLLM instead, an extra row). One `TrainConfig` describes the run: ours
-gets it as `grpo-kernels train` overrides, TRL's worker (benchmarks/learning_trl_worker.py) turns the same overrides
-into the same TrainConfig and reads every TRL option from it; a setting TRL cannot run the same way is refused with
-one line. Prompts: the same stream, in the same order, for both (the trainer's `PromptStream` of the run's seed).
-Held-out success: `grpo_kernels.train.trainer.evaluate` (one answer per held-out prompt, sampled at the training
-temperature with fixed seeds; `correct`, without the format bonus) on --eval-prompts prompts, before the first step
-and every --eval-every steps, for both.
+The run (defaults): SmolLM2-135M-Instruct (`grpo-kernels prepare-model smollm2-135m`, done on first use), the built-in
+"arith" task at difficulty 2 (base held-out success ~0.17 at temperature 0.7) with its chat template and reward, G = 8,
+8 prompts per step, temperature 0.7, 24 new tokens, AdamW lr 2e-5 (betas 0.9 / 0.95, no weight decay), grad clip 1,
+constant lr, no warm-up, beta 0, epsilon 0.2 / 0.28, fp32, HF `generate` as the sampler of both (the "grpo_kernels_vllm"
+trainer samples with vLLM instead, an extra row; "trl_ourdraw" is TRL drawing its rollouts from our random stream, the
+seeds our trainer gives each row: a swap of the random streams alone). One `TrainConfig` describes the run: ours gets it
+as `grpo-kernels train` overrides, TRL's worker (benchmarks/learning_trl_worker.py) turns the same overrides into the
+same TrainConfig and reads every TRL option from it; a setting TRL cannot run the same way is refused with one line.
+Prompts: the same stream, in the same order, for both (the trainer's `PromptStream` of the run's seed). Held-out
+success: `grpo_kernels.train.trainer.evaluate` (one answer per held-out prompt, sampled at the training temperature with
+fixed seeds; `correct`, without the format bonus) on --eval-prompts prompts, before the first step and every
+--eval-every steps, for both.
 
 Every (trainer, loss type, seed) is one process, in --workdir (default ~/.cache/grpo-kernels/learning_vs_trl); with
 --cpus, as many run at once as CPUs are named, each pinned to its CPU with one thread, so both trainers are timed

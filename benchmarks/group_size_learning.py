@@ -75,6 +75,8 @@ def run_overrides(args, setting: str, seed: int, run_dir: Path) -> list[str]:
             "--packing.shared_prefix=true", "--model.activation_checkpointing=none",  # short completions
             f"--logging.run_dir={run_dir}", "--checkpoint.every=5",
             "--checkpoint.keep_last=1",
+            *([f"--task.format_weight={args.format_weight}"] if getattr(args, "format_weight", None) is not None
+              else []),
             *setting_overrides(setting, adaptive_threshold=args.adaptive_threshold)]  # fmt: skip
 
 
@@ -372,6 +374,10 @@ def gpu_model(args) -> dict:
 
 def run(args, out_root: Path | None = None) -> int:
     name = "tiny" if args.quick else Path(args.model).name
+    if getattr(args, "format_weight", None) is not None:  # another study: its own results and runs
+        if not 0.0 <= args.format_weight <= 1.0:
+            raise SystemExit(f"group-size-study: --format-weight {args.format_weight} is not in [0, 1]")
+        name += f"_format_weight{args.format_weight:g}"
     results = (out_root or OUT) / name
     gpu = gpu_model(args)
     if not args.plot_only:
@@ -427,7 +433,9 @@ def command_of(args) -> str:
             f"{args.eval_every} --eval-prompts {args.eval_prompts} --prompts-per-step {args.prompts_per_step} --task "
             f"{args.task} --difficulty {args.difficulty} --temperature {args.temperature} --max-new-tokens "
             f"{args.max_new_tokens} --lr {args.lr} --sampler {args.sampler} --adaptive-threshold "
-            f"{args.adaptive_threshold}" + (f" --cpus {args.cpus}" if args.cpus else ""))  # fmt: skip
+            f"{args.adaptive_threshold}"
+            + (f" --format-weight {args.format_weight:g}" if getattr(args, "format_weight", None) is not None else "")
+            + (f" --cpus {args.cpus}" if args.cpus else ""))  # fmt: skip
 
 
 QUICK = {"model": "tiny", "task": "add", "difficulty": 1, "settings": "2,8", "seeds": "0", "max_steps": 4,
@@ -445,6 +453,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--eval-every", type=int, default=4, help="--learning: steps between held-out evaluations")
     parser.add_argument("--eval-prompts", type=int, default=128, help="--learning: held-out prompts")
     parser.add_argument("--lr", type=float, default=2e-5, help="--learning: learning rate")
+    parser.add_argument("--format-weight", type=float,
+                        help="--learning: arith's bare-integer bonus (task.format_weight; default: the task's 0.2); "
+                             "its own results directory, <model>_format_weight<W>")
     parser.add_argument("--adaptive-threshold", type=float, default=0.5,
                         help="--learning: group_size.invalid_rate_threshold of the adaptive setting")
     parser.add_argument("--workdir", help="--learning: where the runs and their checkpoints live")

@@ -121,12 +121,25 @@ def test_a_finished_run_is_not_run_again_and_a_cut_short_one_resumes(study, caps
     (["--quick", "--gradients"], "--learning and --gradients are separate studies"),
     (["--quick", "--cpus", "first"], "--cpus 'first': CPU numbers expected"),
     (["--quick", "--cpus", "4096"], "--cpus 4096: this process may use CPUs"),
+    (["--quick", "--format-weight", "1.5"], "--format-weight 1.5 is not in [0, 1]"),
 ])  # fmt: skip
 def test_bad_arguments_are_one_error_line(extra, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as exc:
         cli.main(["group-size-study", "--learning", *extra, "--out", str(tmp_path), "--workdir", str(tmp_path / "w")])
     assert message in capsys.readouterr().err + str(exc.value.code)
     assert not (tmp_path / "w").exists()
+
+
+def test_format_weight_reaches_the_runs_and_names_its_own_study(tmp_path):
+    from grpo_kernels.train.config_io import load_config
+
+    args = type("A", (), dict(gl.QUICK, adaptive_threshold=0.5, cpus=None, model="smollm2-135m", task="arith",
+                              format_weight=0.0))()  # fmt: skip
+    assert load_config(None, gl.run_overrides(args, "8", 0, tmp_path)).task.format_weight == 0.0
+    args.format_weight = None  # the task's own bonus
+    assert load_config(None, gl.run_overrides(args, "8", 0, tmp_path)).task.format_weight is None
+    args.quick, args.format_weight = False, 0.0
+    assert gl.command_of(args).endswith(" --format-weight 0")
 
 
 def test_unknown_setting_is_an_error_before_anything_runs(tmp_path):

@@ -12,13 +12,14 @@ The run (defaults): SmolLM2-135M-Instruct (`grpo-kernels prepare-model smollm2-1
 8 prompts per step, temperature 0.7, 24 new tokens, AdamW lr 2e-5 (betas 0.9 / 0.95, no weight decay), grad clip 1,
 constant lr, no warm-up, beta 0, epsilon 0.2 / 0.28, fp32, HF `generate` as the sampler of both (the "grpo_kernels_vllm"
 trainer samples with vLLM instead, an extra row; "trl_ourdraw" is TRL drawing its rollouts from our random stream, the
-seeds our trainer gives each row: a swap of the random streams alone). One `TrainConfig` describes the run: ours gets it
-as `grpo-kernels train` overrides, TRL's worker (benchmarks/learning_trl_worker.py) turns the same overrides into the
-same TrainConfig and reads every TRL option from it; a setting TRL cannot run the same way is refused with one line.
-Prompts: the same stream, in the same order, for both (the trainer's `PromptStream` of the run's seed). Held-out
-success: `grpo_kernels.train.trainer.evaluate` (one answer per held-out prompt, sampled at the training temperature with
-fixed seeds; `correct`, without the format bonus) on --eval-prompts prompts, before the first step and every
---eval-every steps, for both.
+seeds our trainer gives each row; "grpo_kernels_hfdraw" is ours drawing its rollouts as HF's do_sample does, from the
+global RNG: swaps of the random streams alone). One `TrainConfig` describes the run: ours gets it as `grpo-kernels
+train` overrides, TRL's worker (benchmarks/learning_trl_worker.py) turns the same overrides into the same TrainConfig
+and reads every TRL option from it; a setting TRL cannot run the same way is refused with one line. Prompts: the same
+stream, in the same order, for both (the trainer's `PromptStream` of the run's seed). Held-out success:
+`grpo_kernels.train.trainer.evaluate` (one answer per held-out prompt, sampled at the training temperature with fixed
+seeds; `correct`, without the format bonus) on --eval-prompts prompts, before the first step and every --eval-every
+steps, for both.
 
 Every (trainer, loss type, seed) is one process, in --workdir (default ~/.cache/grpo-kernels/learning_vs_trl); with
 --cpus, as many run at once as CPUs are named, each pinned to its CPU with one thread, so both trainers are timed
@@ -46,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # importable from 
 from benchmarks.common import ROOT, cpu_numbers, number_list, run_logged, run_pinned, t975
 
 OUT = ROOT / "benchmarks" / "results" / "learning_vs_trl"
-TRAINERS = ("trl", "grpo_kernels", "grpo_kernels_vllm", "trl_ourdraw")  # trl_ourdraw: TRL with our random stream
+TRAINERS = ("trl", "grpo_kernels", "grpo_kernels_vllm", "trl_ourdraw", "grpo_kernels_hfdraw")  # last two: draws swapped
 RUN_FILES = ("metrics.jsonl", "eval.jsonl", "summary.json")
 CURVE_COLUMNS = ["trainer", "loss_type", "seed", "step", "completions", "sampled_tokens", "generate_s", "train_s",
                  "wall_s", "eval_success"]  # fmt: skip
@@ -79,7 +80,8 @@ def command(args, trainer: str, loss_type: str, seed: int, run_dir: Path) -> lis
     if trainer in ("trl", "trl_ourdraw"):
         return [sys.executable, "-m", "benchmarks.learning_trl_worker", "--run-dir", str(run_dir), "--draw",
                 "ours" if trainer == "trl_ourdraw" else "hf", "--", *extra]  # fmt: skip
-    cli = [sys.executable, "-m", "grpo_kernels.cli", "train"]
+    module = "benchmarks.learning_hfdraw_worker" if trainer == "grpo_kernels_hfdraw" else "grpo_kernels.cli"
+    cli = [sys.executable, "-m", module, "train"]
     if any((run_dir / "checkpoints").glob("step_*")):
         return [*cli, "--resume", str(run_dir)]
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -205,7 +207,7 @@ def plot(results: Path, rows: list[dict]) -> list[Path]:
     import matplotlib.pyplot as plt
 
     colour = {"trl": "tab:orange", "grpo_kernels": "tab:blue", "grpo_kernels_vllm": "tab:green",
-              "trl_ourdraw": "tab:red"}
+              "trl_ourdraw": "tab:red", "grpo_kernels_hfdraw": "tab:purple"}
     paths = []
     for loss_type in dict.fromkeys(r["loss_type"] for r in rows):
         mine = [r for r in rows if r["loss_type"] == loss_type]

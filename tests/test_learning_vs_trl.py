@@ -148,3 +148,40 @@ def test_trl_with_our_draw_samples_the_completions_our_trainer_samples(tmp_path,
     assert theirs == ours
     both = json.loads((tmp_path / "trl" / "summary.json").read_text())["eval_success_start"]
     assert both == json.loads((tmp_path / "ours" / "summary.json").read_text())["eval_success_start"]
+
+
+def test_our_trainer_with_hfs_draw_changes_the_training_draw_alone(tmp_path, monkeypatch):
+    """`grpo_kernels_hfdraw`: the training rollouts are drawn by torch.multinomial from the seeded global RNG (the
+    same run twice: the same completions; not the per-row seeded draw's), the held-out evaluation is untouched."""
+    import types
+
+    from benchmarks import learning_hfdraw_worker
+    from grpo_kernels.train import sampler as sampler_module
+
+    args = types.SimpleNamespace(**{**learning_vs_trl.QUICK, "steps": 1, "format_weight": None})
+    args.model = str(learning_vs_trl.quick_model(tmp_path))
+    monkeypatch.setattr(sampler_module, "_SeededSampling", sampler_module._SeededSampling)  # restored afterwards
+    monkeypatch.setattr(trainer_module, "_sample", trainer_module._sample)
+
+    def run(name, patched):
+        if patched:
+            learning_hfdraw_worker.patch()
+        seen, held_out, sample = [], [], trainer_module._sample
+
+        def recording(sampler, tok, task, examples, g, seeds, d, *, score=None):
+            rollout = sample(sampler, tok, task, examples, g, seeds, d, score=score)
+            (seen if score is None else held_out).extend(c.tolist() for c in rollout.completion_ids)
+            return rollout
+
+        monkeypatch.setattr(trainer_module, "_sample", recording)
+        config = load_config(None, learning_vs_trl.overrides(args, "grpo_kernels", "dapo", 0, tmp_path / name))
+        trainer_module.train(config, log=lambda *a, **k: None)
+        monkeypatch.setattr(trainer_module, "_sample", sample)
+        return seen, held_out
+
+    seeded, seeded_eval = run("seeded", False)
+    hf, hf_eval = run("hf", True)
+    again, _ = run("hf_again", False)  # still patched
+    assert len(hf) == len(seeded) == 8 and hf != seeded
+    assert again == hf
+    assert hf_eval[:8] == seeded_eval[:8]  # the evaluation before the first step: same weights, same draw

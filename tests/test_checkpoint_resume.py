@@ -230,3 +230,20 @@ def test_keep_last_does_not_touch_checkpoints_of_later_steps(tmp_path):
     (run / "checkpoints" / "step_9").mkdir()  # a later step (as left by an abandoned branch of the run)
     main(["train", "--resume", str(run), "--checkpoint.resume_step=1", "--checkpoint.keep_last=1"])
     assert [p.name for p in ckpt.list_checkpoints(run)] == ["step_3", "step_9"]
+
+
+def test_a_resumed_run_keeps_the_earlier_steps_lines_on_disk_before_its_first_step(run, trained, monkeypatch):
+    """A resume drops the log lines of the steps after its checkpoint. The ones before it must be on disk before
+    the first new step runs: a run killed during that step (here: it fails there) keeps its history."""
+    on_disk = {}
+
+    def killed(*args, **kwargs):
+        on_disk.update({name: (run / name).read_text() for name in ("metrics.jsonl", "completions.jsonl")})
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "_collect", killed)
+    with pytest.raises(KeyboardInterrupt):
+        main(["train", "--resume", str(run), "--checkpoint.resume_step=1"])
+    for name in ("metrics.jsonl", "completions.jsonl"):
+        want = [line for line in (trained / name).read_text().splitlines() if json.loads(line)["step"] < 1]
+        assert want and on_disk[name].splitlines() == want, name

@@ -74,6 +74,17 @@ def _sample(sampler, tok, task, examples, g: int, seeds: list, d: Dist, *, score
     return Rollout.concat([p for _, p in gathered]).select([position[k] for k in range(len(examples))])
 
 
+def _log_file(path: Path, kept: list):
+    """path opened for appending after its content is replaced by the kept lines (those of the steps before the
+    checkpoint a run resumes from; none for a new run). The replacement is one rename: a run killed at any point
+    after it keeps them (a plain rewrite held them in a write buffer until the next step's flush)."""
+    partial = path.with_name(f".{path.name}.partial")
+    with partial.open("w") as f:
+        f.writelines(line + "\n" for line in kept)
+    os.replace(partial, path)
+    return path.open("a")
+
+
 def _write_completions(file, step: int, rollout: Rollout, tok) -> None:
     """One completions.jsonl line per completion of the step's rollout."""
     truncated = rollout.truncated or [None] * len(rollout.completion_ids)
@@ -438,15 +449,9 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
             item["version"] = min(sampler.versions)
         return item
 
-    out = metrics_path.open("w") if d.is_main else None
-    if out is not None:
-        out.writelines(line + "\n" for line in kept)
-    evals = eval_path.open("w") if d.is_main and config.task.eval_every else None
-    if evals is not None:
-        evals.writelines(line + "\n" for line in kept_evals)
-    texts = texts_path.open("w") if d.is_main and config.logging.completions_every else None
-    if texts is not None:
-        texts.writelines(line + "\n" for line in kept_texts)
+    out = _log_file(metrics_path, kept) if d.is_main else None
+    evals = _log_file(eval_path, kept_evals) if d.is_main and config.task.eval_every else None
+    texts = _log_file(texts_path, kept_texts) if d.is_main and config.logging.completions_every else None
     reached = None  # the step after which a held-out evaluation reached task.target_success
     evaluated = (None, None)  # (step, success) of the latest evaluation in the loop
     compute_old = loss_options.get("sampler_is_mode") is not None or s.sampler == "vllm"  # the mismatch metric

@@ -32,3 +32,33 @@ def test_chi_square_passes_the_samplers_draw_and_rejects_a_wrong_temperature():
     stat, dof = chi_square(ours_counts(logits, 3000, 0.8, seed=5), probs)  # drawn at T = 0.8, tested against 0.7
     assert chi2_sf(stat, dof) < 1e-6, (stat, dof)
     assert chi_square(torch.tensor([0, 5]), torch.tensor([1.0, 0.0]))[0] == math.inf  # a draw of a zero-mass token
+
+
+def test_draw_swap_statistics_pair_by_seed_and_permute(tmp_path):
+    """benchmarks/draw_swap.py: differences paired by seed, a permutation test that separates shifted samples and
+    not equal ones, and the tables from run files (a seed missing from one arm is left out of the pairing)."""
+    import json
+
+    from benchmarks import draw_swap
+
+    seeds, mean, half = draw_swap.paired({0: 0.5, 1: 0.7, 2: 0.4}, {0: 0.4, 1: 0.5, 3: 0.9})
+    # differences 0.1 and 0.2: sd 0.1 / sqrt(2), standard error 0.05, t quantile on 1 dof 12.7062
+    assert seeds == [0, 1] and mean == pytest.approx(0.15) and half == pytest.approx(12.7062 * 0.05, abs=1e-3)
+    assert draw_swap.permutation_p([1.0, 1.1, 0.9, 1.2, 1.0, 1.05], [0.0, 0.1, -0.1, 0.2, 0.0, 0.05]) < 0.01
+    assert draw_swap.permutation_p([0.3, 0.4, 0.5], [0.5, 0.4, 0.3]) == 1.0
+
+    def run(arm_dir, name, evals, metrics=()):
+        d = tmp_path / arm_dir / "runs" / name
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text("{}")
+        (d / "eval.jsonl").write_text("".join(json.dumps({"step": s, "eval_success": v}) + "\n" for s, v in evals))
+        (d / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+
+    for seed, (ours, trl) in enumerate([(0.30, 0.40), (0.20, 0.40), (0.35, 0.30)]):
+        run("learning_vs_trl_early", f"grpo_kernels_dapo_seed{seed}", [(3, ours)],
+            [{"step": 0, "reward": 0.25, "completion_length": 10.0, "grad_norm": 2.0}])  # fmt: skip
+        run("learning_vs_trl_early", f"trl_dapo_seed{seed}", [(3, trl)])
+    text = "\n".join(draw_swap.held_out_table(tmp_path, 4))
+    assert "| ours, our draw | 3 (0-2) | 0.283 ± " in text and "| TRL, its own draw | 3 (0-2) | 0.367 ± " in text
+    assert "| ours, our draw - TRL, its own draw | 3 | -0.083 ± " in text
+    assert draw_swap.same_draws(tmp_path) == []  # no trl_ourdraw runs: no section

@@ -1,5 +1,7 @@
 """The statistics the learning benchmarks report with: Student's t quantile, the chi-square test of a sampler's
-token counts (it passes a right draw and rejects a draw at the wrong temperature)."""
+token counts (it passes a right draw and rejects a draw at the wrong temperature), the test that the sampler's
+seeded draws are independent across a group's rows, across steps and along a row, and the within-group rollout
+statistics."""
 
 import math
 
@@ -7,7 +9,15 @@ import pytest
 import torch
 
 from benchmarks.common import t975
-from benchmarks.sampler_distribution import chi2_sf, chi_square, multinomial_counts, ours_counts
+from benchmarks.sampler_distribution import (
+    chi2_sf,
+    chi_square,
+    independence,
+    multinomial_counts,
+    ours_counts,
+    pair_draws,
+    rollout_stats,
+)
 
 
 @pytest.mark.parametrize("dof, quantile", [(1, 12.7062), (4, 2.7764), (30, 2.0423), (31, 2.0395), (40, 2.0211),
@@ -62,3 +72,67 @@ def test_draw_swap_statistics_pair_by_seed_and_permute(tmp_path):
     assert "| ours, our draw | 3 (0-2) | 0.283 ± " in text and "| TRL, its own draw | 3 (0-2) | 0.367 ± " in text
     assert "| ours, our draw - TRL, its own draw | 3 | -0.083 ± " in text
     assert draw_swap.same_draws(tmp_path) == []  # no trl_ourdraw runs: no section
+
+
+@pytest.mark.parametrize("kind", ["rows", "steps", "positions"])
+def test_seeded_draws_are_independent_across_rows_steps_and_positions(kind, monkeypatch):
+    """The sampler's per-row seeded draws: two draws that share a group, a row across steps, or a row's successive
+    tokens are independent (chi-square of their contingency table); a seeding that correlates them is rejected."""
+    import grpo_kernels.train.sampler as sampler
+
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(3)) * 2.0
+    probs = torch.softmax(logits / 0.7, -1)
+    stat, dof = independence(pair_draws(kind, logits, 3000, 0.7, seed=11), probs)
+    assert dof >= 9 and chi2_sf(stat, dof) > 1e-3, (stat, dof)
+    # broken seedings: the member left out of a row's seed (rows), the step left out of a group's (steps), and a
+    # row's generator back at its start before every token (positions)
+    if kind == "rows":
+        monkeypatch.setattr(sampler, "row_seed", lambda seed, member: sampler.splitmix64(seed))
+    elif kind == "steps":
+        import grpo_kernels.train.trainer as trainer
+
+        monkeypatch.setattr(trainer, "_seed", lambda seed, step, rounds, k: sampler.splitmix64(seed * 1000 + k))
+    else:
+        draw = sampler._SeededSampling.__call__
+
+        def restarting(self, input_ids, scores):
+            states = [g.get_state() for g in self.generators]
+            out = draw(self, input_ids, scores)
+            for g, state in zip(self.generators, states, strict=True):
+                g.set_state(state)
+            return out
+
+        monkeypatch.setattr(sampler._SeededSampling, "__call__", restarting)
+    stat, dof = independence(pair_draws(kind, logits, 3000, 0.7, seed=11), probs)
+    assert dof >= 9 and chi2_sf(stat, dof) < 1e-9, (stat, dof)
+
+
+def test_rollout_stats_within_group_and_across_rounds():
+    """rollout_stats: rows (r * prompts + k) * G ... are prompt k's round-r group; invalid = all rewards equal,
+    reward_sd within a group, distinct completions / G, and the spread of a prompt's group means over rounds."""
+
+    class Task:
+        def reward(self, text, example):
+            return float(text == example)
+
+        def correct(self, text, example):
+            return text == example
+
+    class Tok:
+        def decode(self, ids):
+            return "".join(chr(97 + int(i)) for i in ids)
+
+    examples = ["a", "b"]  # prompt k is right when its completion decodes to examples[k]
+    t = torch.tensor
+    groups = [[t([0]), t([0]), t([0]), t([0])],  # round 0, prompt 0: all right (invalid), one distinct
+              [t([1]), t([2]), t([1]), t([3])],  # round 0, prompt 1: rewards 1 0 1 0
+              [t([0]), t([1]), t([2]), t([3])],  # round 1, prompt 0: 1 0 0 0, all distinct
+              [t([0]), t([0]), t([2]), t([2])]]  # round 1, prompt 1: all wrong (invalid)
+    completions = [c for group in groups for c in group]
+    out = rollout_stats(Task(), Tok(), examples, completions, [False] * 16, 4, rounds=2)
+    assert out["invalid"] == [0.5, 0.5]
+    assert out["reward"] == [pytest.approx(0.625), pytest.approx(0.25)]
+    assert out["reward_sd"] == [pytest.approx(math.sqrt(3) / 8), pytest.approx(0.25)]
+    assert out["distinct"] == [pytest.approx((1 / 4 + 1) / 2), pytest.approx((3 / 4 + 2 / 4) / 2)]
+    assert out["group_mean_sd"] == [pytest.approx(0.75 / math.sqrt(2)), pytest.approx(0.5 / math.sqrt(2))]
+    assert "group_mean_sd" not in rollout_stats(Task(), Tok(), examples, completions[:8], [False] * 8, 4)

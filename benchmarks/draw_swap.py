@@ -9,6 +9,10 @@
    95 % t-interval over the seeds, sd, range, runs below 0.25; then differences paired by seed (a seed fixes the
    prompt stream, shared by every arm) with their 95 % t-intervals, and a two-sided permutation test of the
    difference in means on the unpaired values (20,000 relabellings, seeded).
+3. The first step's rollouts, per arm: every arm samples them from the same model (the base policy) on the same
+   prompts, so only the draw differs: mean reward, completion length, truncated fraction and (ours only: TRL's
+   count misses all-equal groups of non-integer reward) the invalid-group rate, mean and 95 % interval over the
+   seeds and paired differences.
 Arms read from results/learning_vs_trl (the 40-step runs, seeds 0-4), results/learning_vs_trl_early (4-step runs of
 more seeds), results/learning_vs_trl_hfdraw and results/learning_vs_trl_ourdraw.
 """
@@ -123,6 +127,41 @@ def held_out_table(results: Path, steps: int) -> list[str]:
     return lines + [""]
 
 
+FIRST_STEP = {  # quantity: (our metric, TRL's metric)
+    "reward": ("reward", "reward"),
+    "completion length": ("completion_length", "completions/mean_length"),
+    "truncated": ("truncated_fraction", "completions/clipped_ratio"),
+    "invalid groups": ("invalid_group_rate", None),
+}
+
+
+def first_step_table(results: Path) -> list[str]:
+    values = {}  # quantity: {arm: {seed: value}}
+    for name, (dirs, prefix) in ARMS.items():
+        for s, run in finished(results, dirs, prefix).items():
+            m = next((m for m in _jsonl(run / "metrics.jsonl") if m["step"] == 0), None)
+            for q, keys in FIRST_STEP.items():
+                key = keys[1] if name.startswith("TRL") else keys[0]
+                if m is not None and key is not None:
+                    values.setdefault(q, {}).setdefault(name, {})[s] = m[key]
+    lines = ["## The first step's rollouts (same model, same prompts: only the draw differs)", "",
+             "| quantity | " + " | ".join(ARMS) + " |", "|---|" + "---:|" * len(ARMS)]  # fmt: skip
+    for q, arms in values.items():
+        cells = []
+        for name in ARMS:
+            x = list(arms.get(name, {}).values())
+            cells.append(f"{mean_ci(x)[0]:.3f} ± {mean_ci(x)[1]:.3f} ({len(x)})" if len(x) >= 2 else "-")
+        lines.append(f"| {q} | " + " | ".join(cells) + " |")
+    lines += ["", "| quantity | difference | seeds paired | mean ± 95 % interval |", "|---|---|---:|---:|"]
+    for q, arms in values.items():
+        for a, b in PAIRS:
+            if a in arms and b in arms:
+                seeds, mean, half = paired(arms[a], arms[b])
+                if len(seeds) >= 2:
+                    lines.append(f"| {q} | {a} - {b} | {len(seeds)} | {mean:+.3f} ± {half:.3f} |")
+    return lines + [""]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--step", type=int, default=4, help="the held-out evaluation after this many steps")
@@ -133,7 +172,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"draw-swap: --step must be >= 1, got {args.step}")
     lines = ["# The random draws swapped between TRL and grpo-kernels", "",
              f"Command: `python -m benchmarks.draw_swap --step {args.step}`", "",
-             *same_draws(args.results), *held_out_table(args.results, args.step)]  # fmt: skip
+             *same_draws(args.results), *held_out_table(args.results, args.step),
+             *first_step_table(args.results)]  # fmt: skip
     args.out.write_text("\n".join(lines))
     print("\n".join(lines))
     return 0

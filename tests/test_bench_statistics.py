@@ -66,11 +66,19 @@ def test_draw_swap_statistics_pair_by_seed_and_permute(tmp_path):
 
     for seed, (ours, trl) in enumerate([(0.30, 0.40), (0.20, 0.40), (0.35, 0.30)]):
         run("learning_vs_trl_early", f"grpo_kernels_dapo_seed{seed}", [(3, ours)],
-            [{"step": 0, "reward": 0.25, "completion_length": 10.0, "grad_norm": 2.0}])  # fmt: skip
-        run("learning_vs_trl_early", f"trl_dapo_seed{seed}", [(3, trl)])
+            [{"step": 0, "reward": 0.25 + seed / 10, "completion_length": 10.0, "grad_norm": 2.0,
+              "truncated_fraction": 0.5, "invalid_group_rate": 0.25}])  # fmt: skip
+        run("learning_vs_trl_early", f"trl_dapo_seed{seed}", [(3, trl)],
+            [{"step": 0, "reward": 0.2 + seed / 10, "completions/mean_length": 12.0 - seed,
+              "completions/clipped_ratio": 0.5, "frac_reward_zero_std": 0.9}])  # fmt: skip
     text = "\n".join(draw_swap.held_out_table(tmp_path, 4))
     assert "| ours, our draw | 3 (0-2) | 0.283 ± " in text and "| TRL, its own draw | 3 (0-2) | 0.367 ± " in text
     assert "| ours, our draw - TRL, its own draw | 3 | -0.083 ± " in text
+    text = "\n".join(draw_swap.first_step_table(tmp_path))  # TRL's metric names read; its zero-std count not used
+    assert "| reward | 0.300 ± 0.248 (3) | 0.350 ± 0.248 (3) | - | - |" in text
+    assert "| invalid groups | - | 0.250 ± 0.000 (3) | - | - |" in text
+    assert "| reward | ours, our draw - TRL, its own draw | 3 | +0.050 ± 0.000 |" in text
+    assert "| completion length | ours, our draw - TRL, its own draw | 3 | -1.000 ± 2.484 |" in text
     assert draw_swap.same_draws(tmp_path) == []  # no trl_ourdraw runs: no section
 
 

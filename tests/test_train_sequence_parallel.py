@@ -1,6 +1,7 @@
 """`grpo-kernels train` with sequence parallelism (torchrun, gloo): 1 rank, SP = 2, DP = 2 and DP = 2 x SP = 2
 train the same (same losses, same weights after two optimizer steps), with shared prompt prefixes and GSPO's
-sequence-level weights; the layout errors are one line, before anything is written."""
+sequence-level weights, and DP = 2 x SP = 2 with the sequence-tiled MLP on top (FSDP2-sharded blocks whose MLP
+tiles are checkpoints nested in the block's); the layout errors are one line, before anything is written."""
 
 import json
 import os
@@ -49,7 +50,8 @@ def test_one_rank_sp2_dp2_and_dp2_sp2_train_the_same(tmp_path):
         "one": (1, [f"--packing.token_budget={2 * BUDGET}"]),
         "sp2": (2, [f"--packing.token_budget={BUDGET}", "--distributed.sequence_parallel=2"]),
         "dp2": (2, [f"--packing.token_budget={2 * BUDGET}"]),
-        "dp2_sp2": (4, [f"--packing.token_budget={BUDGET}", "--distributed.sequence_parallel=2"]),
+        "dp2_sp2": (4, [f"--packing.token_budget={BUDGET}", "--distributed.sequence_parallel=2",
+                        "--model.mlp_tile_tokens=5"]),  # a rank's <= 12 tokens in tiles of 5
     }
     metrics, weights = {}, {}
     for name, (nproc, extra) in runs.items():

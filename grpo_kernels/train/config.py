@@ -79,10 +79,17 @@ class ModelConfig:
     plus a [tokens, hidden] tensor per block, for roughly one more forward per step. The default, because long
     completions are where memory runs out (TRL turns gradient checkpointing on by default too). "none": keep every
     activation (faster when they fit). The loss and gradients are the same either way."""
+    mlp_tile_tokens: int = 0
+    """Sequence-tiled MLP (grpo_kernels.train.tiled_mlp): > 0 runs every decoder block's MLP over tiles of this many
+    tokens of the packed row, each tile checkpointed, so a block's MLP intermediates (4 x intermediate_size floats
+    per token for a SwiGLU MLP) exist for one tile at a time instead of the whole row, in the forward and in the
+    recompute; for one more MLP forward per block. For long rows (thousands of tokens), e.g. 512; below
+    packing.token_budget (the longest row). 0: off. The loss and gradients are the same either way."""
 
     def __post_init__(self):
         _validate(
-            self, at_least={"hidden_size": 1, "num_layers": 1, "num_heads": 1, "num_kv_heads": 1, "head_dim": 32},
+            self, at_least={"hidden_size": 1, "num_layers": 1, "num_heads": 1, "num_kv_heads": 1, "head_dim": 32,
+                            "mlp_tile_tokens": 0},
             choices={"dtype": ("float32", "bfloat16"), "attn_implementation": ("grpo_varlen", "sdpa", "eager"),
                      "activation_checkpointing": ("none", "blocks")},
         )  # fmt: skip
@@ -530,6 +537,10 @@ class TrainConfig:
         if self.task.eval_every and s.placement == "decoupled":
             raise ValueError(f"task.eval_every = {self.task.eval_every} needs sampling.placement \"colocated\" (the "
                              "decoupled servers sample ahead of the evaluations), got \"decoupled\"")  # fmt: skip
+        tile, budget = self.model.mlp_tile_tokens, self.packing.token_budget
+        if tile >= budget:
+            raise ValueError(f"model.mlp_tile_tokens must be below packing.token_budget ({budget}, the longest row: a "
+                             f"tile that holds the whole row tiles nothing), got {tile}")  # fmt: skip
         mcl, new = self.loss.max_completion_length, self.sampling.max_new_tokens
         if mcl is not None and mcl < new:
             raise ValueError(f"loss.max_completion_length must be >= sampling.max_new_tokens ({new}), got {mcl}")

@@ -48,6 +48,7 @@ from .rollout import Rollout
 from .sampler import HFSampler
 from .step import Policy, grpo_step, sft_warmup
 from .tasks import CharTokenizer, PromptStream, make_task, tiny_model
+from .tiled_mlp import tile_mlps
 
 __all__ = ["evaluate", "task_examples", "train"]
 
@@ -354,6 +355,8 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
     policy = Policy(model, compute_dtype=torch.bfloat16 if bf16 and not d.distributed else None)
     if config.model.activation_checkpointing == "blocks":
         checkpoint_blocks(_decoder_blocks(model))
+    if config.model.mlp_tile_tokens:
+        tile_mlps(_decoder_blocks(model), config.model.mlp_tile_tokens)
     if d.distributed:
         dtype = torch.bfloat16 if bf16 else torch.float32
         for p in [policy] + ([ref_policy] if ref_policy else []):

@@ -8,7 +8,9 @@ baselines at realistic shapes, with achieved GB/s or TFLOP/s against ceilings me
 
 Needs only torch and triton (Liger is timed when installed). Checks (Triton against the fp64 reference, fp32 and
 bf16, odd shapes, forward and backward): group_advantages, selective_logprobs, grpo_loss, grpo_loss_from_logits,
-fused_linear_grpo_loss, varlen_attention (torch varlen / flash-attn against per-sequence SDPA). Timings
+fused_linear_grpo_loss, varlen_attention (torch varlen / flash-attn against per-sequence SDPA), checkpoint_offload
+(model.activation_checkpointing "offload" against "blocks" on a stack of MLP blocks: same loss and gradients; its
+peak memory and step time beside "blocks" as rows of kind "memory" and "time"). Timings
 (`triton.testing.do_bench` medians, forward + backward where there is one): each op's eager PyTorch baseline,
 torch.compile of it, Liger where it has the op, and ours. Ceilings: a device-to-device copy (GB/s) and a bf16
 8192^3 matmul (TFLOP/s). Writes benchmarks/results/gpu_check_<device>.csv and prints the table last.
@@ -156,12 +158,73 @@ def check_cases(env):
             errs.append(rel_err(varlen_attention(q, k, v, cu, max(lengths), **opts), want))
         return errs
 
+    def offload(dtype):  # the offloaded checkpoints against plain block checkpointing: the same loss and grads
+        ref, out = (_offload_fwd_bwd(env, dtype, mode, small=True) for mode in ("blocks", "offload"))
+        return [rel_err(a, b) for a, b in zip(out, ref, strict=True)]
+
     for name, fn in [("group_advantages", advantages), ("selective_logprobs", logprobs), ("grpo_loss", loss),
                      ("grpo_loss_from_logits", from_logits), ("fused_linear_grpo_loss", fused_linear),
-                     ("varlen_attention", attention), ("varlen_attention_features", attention_features)]:  # fmt: skip
+                     ("varlen_attention", attention), ("varlen_attention_features", attention_features),
+                     ("checkpoint_offload", offload)]:  # fmt: skip
         for dtype in (torch.float32, torch.bfloat16):
             cases.append((name, dtype, fn))
     return cases
+
+
+class _MLPBlock(torch.nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(hidden, 4 * hidden), torch.nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.silu(self.up(x)))
+
+
+def _offload_model(env, dtype, mode: str, small: bool):
+    """(a stack of residual MLP blocks checkpointed by the trainer's checkpoint_blocks in mode, its input)."""
+    from grpo_kernels.train.fsdp import checkpoint_blocks
+
+    tokens, hidden, layers = (64, 32, 4) if env.dry or small else ((4096, 4096, 8) if env.quick else (8192, 4096, 16))
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(*[_MLPBlock(hidden) for _ in range(layers)]).to(env.device, dtype)
+    checkpoint_blocks(list(blocks), offload=mode == "offload")
+    x = torch.randn(tokens, hidden, device=env.device, dtype=dtype, requires_grad=True)
+    return blocks, x
+
+
+def _offload_fwd_bwd(env, dtype, mode: str, small: bool):
+    """[loss, input gradient, first and last block's weight gradients] of one forward + backward."""
+    blocks, x = _offload_model(env, dtype, mode, small)
+    loss = blocks(x).float().square().mean()
+    loss.backward()
+    return [loss.detach(), x.grad, blocks[0].up.weight.grad, blocks[-1].down.weight.grad]
+
+
+def offload_rows(env) -> list[dict]:
+    """Peak device memory and step time of one forward + backward with "blocks" and "offload" (bf16)."""
+    rows = []
+    for mode in ("blocks", "offload"):
+        blocks, x = _offload_model(env, torch.bfloat16, mode, small=False)
+
+        def step(blocks=blocks, x=x):
+            blocks(x).float().square().mean().backward()
+
+        step()
+        if not env.dry:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        step()
+        peak = float("nan") if env.dry else (torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()) / 2**20
+        rows.append(dict(kind="memory", op="checkpoint_offload", shape=f"{len(blocks)} MLP blocks x {tuple(x.shape)} "
+                         "bf16", provider=mode, value=f"{peak:.0f}", unit="MiB above the resident"))  # fmt: skip
+        rows.append(dict(kind="time", op="checkpoint_offload fwd+bwd", shape=rows[-1]["shape"],
+                         provider="ours" if mode == "offload" else mode, value=f"{env.time_ms(step):.3f}",
+                         unit="ms"))  # fmt: skip
+        blocks = x = step = None  # freed before the next mode is built
+    base = float(rows[1]["value"])
+    rows[3]["vs_best_baseline"] = f"{base / float(rows[3]['value']):.2f}x"
+    rows[1]["vs_best_baseline"] = "1.00x"
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -313,6 +376,13 @@ def main() -> None:
                              rate=rate if p == "ours" or not nbytes else "",
                              vs_best_baseline=f"{base / ms:.2f}x"))  # fmt: skip
         print(f"  time  {op:32s} {shape}: " + ", ".join(f"{p} {ms:.3f} ms" for p, ms in times.items()), flush=True)
+    try:
+        for row in offload_rows(env):
+            rows.append(row)
+            print(f"  {row['kind']:5s} {row['op']:32s} {row['shape']} {row['provider']}: {row['value']} {row['unit']}",
+                  flush=True)  # fmt: skip
+    except Exception as exc:  # reported, not fatal: the kernel timings above are kept
+        print(f"  checkpoint_offload rows: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
     out = Path(args.out) if args.out else RESULTS / f"gpu_check_{name}.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as f:

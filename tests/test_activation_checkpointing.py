@@ -120,5 +120,64 @@ def test_checkpointing_keeps_far_fewer_activations_and_leaves_names_and_no_grad_
 def test_activation_checkpointing_config_default_and_choices():
     assert load_config().model.activation_checkpointing == "blocks"
     assert load_config(overrides=["--model.activation_checkpointing=none"]).model.activation_checkpointing == "none"
-    with pytest.raises(ValueError, match="model.activation_checkpointing must be one of 'none', 'blocks'"):
+    with pytest.raises(ValueError, match="model.activation_checkpointing must be one of 'none', 'blocks', 'offload'"):
         load_config(overrides=["--model.activation_checkpointing=layers"])
+
+
+def test_offloaded_checkpoints_give_the_same_loss_and_gradients_and_copy_only_the_block_inputs(monkeypatch):
+    """"offload": each block's checkpointed input goes through the host-offload hooks (on CPU a copy) once per block
+    in the forward and comes back once in the backward; loss and gradients equal "blocks" exactly, with the tiled MLP
+    nested inside too; generation passes run plainly."""
+    import grpo_kernels.train.fsdp as fsdp
+    from grpo_kernels.train.tiled_mlp import tile_mlps
+
+    model = _llama()
+    packed, adv, old = _batch(97, True)
+    options = dict(loss_type="dapo", num_items_in_batch=int(packed.completion_ids.shape[0]))
+    blocks = copy.deepcopy(model)
+    checkpoint_blocks(blocks.base_model.layers)
+    ref_loss, ref = _loss_and_grads(blocks, packed, adv, old, False, **options)
+    packs, unpacks = [], []
+    to_host, from_host = fsdp._to_host, fsdp._from_host
+
+    def pack(t):
+        out = to_host(t)
+        packs.append((tuple(t.shape), out[1].data_ptr() != t.data_ptr()))
+        return out
+
+    def unpack(p):
+        unpacks.append(p[1].shape)
+        return from_host(p)
+
+    monkeypatch.setattr(fsdp, "_to_host", pack)
+    monkeypatch.setattr(fsdp, "_from_host", unpack)
+    for tiled in (False, True):
+        offloaded = copy.deepcopy(model)
+        checkpoint_blocks(offloaded.base_model.layers, offload=True)
+        checkpoint_blocks(offloaded.base_model.layers, offload=True)  # idempotent
+        if tiled:
+            tile_mlps(offloaded.base_model.layers, 4)
+        packs.clear(), unpacks.clear()
+        loss, grads = _loss_and_grads(offloaded, packed, adv, old, False, **options)
+        torch.testing.assert_close(loss, ref_loss, rtol=0 if not tiled else 1e-6, atol=0)
+        for name in ref:
+            torch.testing.assert_close(grads[name], ref[name], rtol=0 if not tiled else 1e-5, atol=0 if not tiled
+                                       else 1e-8, msg=name)  # fmt: skip
+        assert packs == [((1, packed.num_tokens, 64), True)] * 3, packs  # the 3 blocks' hidden states, copied
+        assert len(unpacks) == 3
+    with pytest.raises(ValueError, match="already checkpointed with offload"):
+        checkpoint_blocks(offloaded.base_model.layers)
+    packs.clear()
+    with torch.no_grad():
+        offloaded.base_model(**packed.model_kwargs())
+    assert packs == []
+
+
+def test_offload_is_refused_on_a_cpu_run_in_one_line(tmp_path):
+    from grpo_kernels.train.trainer import train
+
+    config = load_config(overrides=["--model.activation_checkpointing=offload", "--optim.steps=1",
+                                    f"--logging.run_dir={tmp_path / 'run'}"])  # fmt: skip
+    with pytest.raises(ValueError, match='"offload" needs a CUDA device .*this run trains on cpu: use "blocks"'):
+        train(config, log=lambda *a: None)
+    assert not (tmp_path / "run").exists()

@@ -19,11 +19,14 @@ def test_the_gpu_check_dry_run_passes_every_check_and_writes_its_table(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = list(csv.DictReader(out.open()))
     checks = [r for r in rows if r["kind"] == "check"]
-    assert len(checks) == 14 and all(r["ok"] == "True" for r in checks)
+    assert len(checks) == 16 and all(r["ok"] == "True" for r in checks)
+    assert {r["op"] for r in checks} >= {"checkpoint_offload"}
     ops = {r["op"] for r in rows if r["kind"] == "time"}
     assert ops == {"group_advantages", "selective_logprobs fwd+bwd", "grpo_loss fwd+bwd",
-                   "grpo_loss_from_logits fwd+bwd", "fused_linear_grpo_loss fwd+bwd"}  # fmt: skip
-    assert "checks: 14 ok, failed: none" in proc.stdout and "| op | shape |" in proc.stdout
+                   "grpo_loss_from_logits fwd+bwd", "fused_linear_grpo_loss fwd+bwd",
+                   "checkpoint_offload fwd+bwd"}  # fmt: skip
+    assert [r["provider"] for r in rows if r["kind"] == "memory"] == ["blocks", "offload"]
+    assert "checks: 16 ok, failed: none" in proc.stdout and "| op | shape |" in proc.stdout
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA: the full run would run")

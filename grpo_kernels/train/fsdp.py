@@ -22,6 +22,10 @@ of every packed row (grpo_kernels.sequence_parallel). FSDP2 still shards over th
 Activation checkpointing (`model.activation_checkpointing = "blocks"`): every decoder block's forward runs under
 torch.utils.checkpoint (non-reentrant), applied before sharding, so the backward recomputes a block's activations
 instead of keeping them; the parameters and their names are untouched (checkpoints and weight sync unchanged).
+"offload" also moves each block's checkpointed input, the one tensor per block that the forward keeps, to pinned
+host memory (copied on a side stream while the forward goes on) and back when the backward recomputes the block:
+saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks) around the non-reentrant checkpoint, which saves its
+inputs under the caller's hooks and its ops' tensors under its own.
 """
 
 import functools
@@ -108,23 +112,65 @@ def init_distributed(backend: str = "auto", *, sequence_parallel: int = 1) -> Di
     return Dist(rank=rank, world=world, device=device, distributed=True, sp=sequence_parallel, sp_group=group)
 
 
-def checkpoint_blocks(blocks) -> None:
+def checkpoint_blocks(blocks, *, offload: bool = False) -> None:
     """Activation checkpointing: each block's forward runs under torch.utils.checkpoint (non-reentrant) when
-    gradients are being recorded (no-grad passes, such as generation, run it plainly). Idempotent; the module tree,
-    parameter names and state dict are unchanged. Apply before sharding."""
+    gradients are being recorded (no-grad passes, such as generation, run it plainly). offload: the checkpoint's
+    saved input (the block's hidden states) goes to host memory after the forward and comes back when the backward
+    recomputes the block (`model.activation_checkpointing = "offload"`, see `offload_to_host`). Idempotent for one
+    mode; the module tree, parameter names and state dict are unchanged. Apply before sharding."""
     for block in blocks:
-        if getattr(block, "_grpo_checkpointed", False):
+        done = getattr(block, "_grpo_checkpointed", False)
+        if done:
+            if (done == "offload") != offload:
+                raise ValueError(f"the blocks are already checkpointed with{'' if done == 'offload' else 'out'} "
+                                 f"offload")  # fmt: skip
             continue
-        block.forward = functools.partial(_checkpointed, block.forward)
-        block._grpo_checkpointed = True
+        block.forward = functools.partial(_checkpointed, block.forward, offload)
+        block._grpo_checkpointed = "offload" if offload else "blocks"
 
 
-def _checkpointed(forward, *args, **kwargs):
+def _checkpointed(forward, offload, *args, **kwargs):
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     from torch.utils.checkpoint import checkpoint
 
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    if not offload:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    # the checkpoint saves its positional tensor inputs (the hidden states; HF passes the rest by keyword) under the
+    # hooks active when it is called, its ops' tensors under its own: only the block input passes through these
+    with torch.autograd.graph.saved_tensors_hooks(_to_host, _from_host):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+_SIDE_STREAMS = {}
+
+
+def _to_host(t: torch.Tensor):
+    """A saved block input to host memory: on CUDA a pinned buffer filled on a side stream (the forward goes on;
+    the device memory is reused once the copy is done); on CPU a copy (the same path, testable without a GPU)."""
+    if t.device.type != "cuda":
+        return t.device, t.clone(), None
+    stream = _SIDE_STREAMS.get(t.device)
+    if stream is None:
+        stream = _SIDE_STREAMS[t.device] = torch.cuda.Stream(t.device)
+    host = torch.empty(t.size(), dtype=t.dtype, pin_memory=True)
+    stream.wait_stream(torch.cuda.current_stream(t.device))  # t is computed
+    with torch.cuda.stream(stream):
+        host.copy_(t, non_blocking=True)
+    t.record_stream(stream)
+    done = torch.cuda.Event()
+    done.record(stream)
+    return t.device, host, done
+
+
+def _from_host(packed) -> torch.Tensor:
+    """The block input back on its device when the backward recomputes the block (the copy is issued then, on the
+    compute stream: no prefetch)."""
+    device, host, done = packed
+    if done is None:
+        return host
+    torch.cuda.current_stream(device).wait_event(done)
+    return host.to(device, non_blocking=True)
 
 
 def shard(policy: torch.nn.Module, blocks, *, device: torch.device, world: int, dtype: torch.dtype):

@@ -312,6 +312,10 @@ def _decoder_blocks(model):
 def train(config: TrainConfig, *, log=print) -> dict:
     """Run config (on every rank under torchrun); returns the summary also written to <run_dir>/summary.json."""
     d = init_distributed(config.distributed.backend, sequence_parallel=config.distributed.sequence_parallel)
+    if config.model.activation_checkpointing == "offload" and d.device.type != "cuda":
+        raise ValueError(f'model.activation_checkpointing = "offload" needs a CUDA device (pinned host memory to '
+                         f'offload to), this run trains on {d.device.type}: use "blocks", whose saved block inputs '
+                         "already live in host memory there")  # fmt: skip
     resume = config.checkpoint.resume
     run_dir = Path(resume or config.logging.run_dir)
     _check_run_dir(run_dir, "checkpoint.resume" if resume else "logging.run_dir", d)
@@ -353,8 +357,8 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
     if config.loss.beta > 0:
         ref_policy = Policy(copy.deepcopy(model).requires_grad_(False), compute_dtype=torch.bfloat16 if bf16 else None)
     policy = Policy(model, compute_dtype=torch.bfloat16 if bf16 and not d.distributed else None)
-    if config.model.activation_checkpointing == "blocks":
-        checkpoint_blocks(_decoder_blocks(model))
+    if config.model.activation_checkpointing in ("blocks", "offload"):
+        checkpoint_blocks(_decoder_blocks(model), offload=config.model.activation_checkpointing == "offload")
     if config.model.mlp_tile_tokens:
         tile_mlps(_decoder_blocks(model), config.model.mlp_tile_tokens)
     if d.distributed:

@@ -443,16 +443,20 @@ def _append(path: Path, row: dict) -> None:
 
 # Qwen2.5-7B (config.json): 28 layers, hidden 3584, MLP 18944, 28 query / 4 KV heads of 128, vocab 152064.
 QWEN7B = dict(layers=28, hidden=3584, intermediate=18944, params=7.62e9)
+# Llama-3.1-8B (config.json): 32 layers, hidden 4096, MLP 14336, 32 query / 8 KV heads of 128, vocab 128256.
+LLAMA8B = dict(layers=32, hidden=4096, intermediate=14336, params=8.03e9)
+# ALST (Arctic Long Sequence Training, Snowflake, 2025), Llama-8B on H100s: the longest sequence it trains.
+ALST_TOKENS = {1: "500k (1 GPU)", 8: "3.7M (8 GPUs)"}
 H100_GB = 80.0
 
 
-def fit(rows: list[dict]) -> dict:
+def fit(rows: list[dict], min_tokens: int = 0) -> dict:
     """{provider: (bytes per token, static MB)}: least squares of peak RSS on tokens computed, over the provider's
-    ok rows of the length and step sweeps (and spread)."""
+    ok rows of the length and step sweeps (and spread) of at least min_tokens tokens."""
     out = {}
     for provider in PROVIDERS:
         pts = [(float(r["computed_tokens"]), float(r["peak_rss_mb"])) for r in rows
-               if r["provider"] == provider and r["status"] == "ok"]  # fmt: skip
+               if r["provider"] == provider and r["status"] == "ok" and float(r["computed_tokens"]) >= min_tokens]
         if len({x for x, _ in pts}) < 2:
             continue
         n = len(pts)
@@ -503,7 +507,58 @@ def memory_model(rows: list[dict], config: dict) -> str:
               "the rows record); GPU attention kernels need "
               "less than the CPU path measured here. The static term on CPU includes the Python process, torch and "
               "the model's fp32 weights, gradients and Adam moments.", ""]
-    return "\n".join(lines)
+    return "\n".join(lines + component_model(rows, config))
+
+
+COMPONENT_MIN_TOKENS = 8000  # below, a step's peak is set by other phases (the flat start of every provider's line)
+
+
+def component_model(rows: list[dict], config: dict) -> list[str]:
+    """Markdown lines: a model of the longest chain per 80 GB GPU for Qwen2.5-7B and Llama-8B in bf16 with block
+    checkpointing, the tiled MLP and offloaded checkpoints, from components fitted on the measured model (its rows
+    of at least COMPONENT_MIN_TOKENS tokens)."""
+    fits = fit(rows, COMPONENT_MIN_TOKENS)
+    if "gk_blocks" not in fits or "gk_tiled" not in fits:
+        return ["No gk_blocks and gk_tiled fits: no component model.", ""]
+    layers, hidden, inter = config["layers"], config["hidden"], config["intermediate"]
+    floor = layers * hidden * 4  # fp32 bytes per token of the checkpointed block inputs
+    mlp = (fits["gk_blocks"][0] - fits["gk_tiled"][0]) / (inter * 4)  # per token, in intermediate-size floats
+    rest = (fits["gk_tiled"][0] - floor) / (hidden * 4)  # the rest of one block's working set, in hidden-size floats
+    lines = ["## Components and the longest chain with the tiled MLP and offloaded checkpoints (a model)", "",
+             f"Fitted on the rows of at least {COMPONENT_MIN_TOKENS} tokens (gk_blocks "
+             f"{fits['gk_blocks'][0] / 1e3:.1f} kB, gk_tiled {fits['gk_tiled'][0] / 1e3:.1f} kB per token): the "
+             f"checkpointed block inputs are {floor / 1e3:.1f} kB per token ({layers} x "
+             f"{hidden} fp32: the floor); the tiled MLP removes {mlp:.2f} x intermediate size floats per token "
+             f"(gk_blocks - gk_tiled); the rest of one block's working set is {rest:.2f} x hidden size floats per "
+             "token (gk_tiled - floor). Scaled to a model in bf16 (2 bytes), per token and GPU: floor (layers x hidden "
+             "x 2; 0 with offload: the block inputs are in host memory, which must hold them) + rest x hidden x 2 + "
+             "(mlp x intermediate x 2 unless tiled); with SP = N a GPU holds 1/N of the tokens. 8 GPUs, FSDP2 over "
+             "all 8 (18 bytes per parameter / 8 static), 80 GB each; the fused head keeps no logits. Not modelled: "
+             "attention kernels' own buffers, the all-to-all buffers of SP, fragmentation. One GPU does not fit the "
+             "optimizer state of these models (18 bytes x 8B parameters = 144 GB): this trainer keeps it on the "
+             "device, so ALST's one-GPU row has no counterpart here.", "",
+             "Offload moves the floor to the host: with every GPU full, a node of 8 holds 8 x (SP=1 chain) tokens "
+             "whatever N, so its host memory must hold that many tokens' block inputs (the host memory column): at "
+             "these lengths the host memory of a node (commonly 1-2 TB) binds before the GPUs do.", "",
+             "| model | mode | bytes/token (model) | SP=1 | SP=2 | SP=4 | SP=8 | host memory per node "
+             "| ALST, published |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for name, m in (("Qwen2.5-7B", QWEN7B), ("Llama-8B", LLAMA8B)):
+        free = (H100_GB - m["params"] * 18 / 8 / 2**30) * 2**30
+        for mode, offload, tiled in (("blocks", False, False), ("blocks + tiled MLP", False, True),
+                                     ("offload + tiled MLP", True, True)):  # fmt: skip
+            per_token = (0 if offload else m["layers"] * m["hidden"] * 2) + rest * m["hidden"] * 2
+            per_token += 0 if tiled else mlp * m["intermediate"] * 2
+            chains = [_tokens(free * n / per_token) for n in (1, 2, 4, 8)]
+            alst = ALST_TOKENS[8] if name == "Llama-8B" and offload else ""
+            host = f"{8 * free / per_token * m['layers'] * m['hidden'] * 2 / 1e12:.1f} TB" if offload else "-"
+            lines.append(f"| {name} | {mode} | {per_token / 1e3:.0f} kB | " + " | ".join(chains)
+                         + f" | {host} | {alst} |")  # fmt: skip
+    return lines + [""]
+
+
+def _tokens(n: float) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"
 
 
 def report(csv_path: Path) -> None:

@@ -76,3 +76,24 @@ def test_a_failed_rank_is_named_by_its_own_error_not_by_torchrun(tmp_path, how):
                 "kill": "a rank's exit code -9 (Signal 9 (SIGKILL))"}  # fmt: skip
     assert reason == expected[how], reason
     assert failure_reason(-9, "") == "no output; killed by signal 9"
+
+
+def test_component_model_splits_the_fitted_slopes_and_scales_them_to_the_big_models():
+    """The offload / tiled-MLP model: gk_blocks - gk_tiled is the MLP's share, gk_tiled - the checkpoint floor the
+    rest of a block's working set; rows below the component fit's minimum (a flat start) are left out."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from long_chains import COMPONENT_MIN_TOKENS, component_model
+
+    floor, rest, mlp = 30 * 576 * 4, 6 * 576 * 4, 7 * 1536 * 4  # SmolLM2: 6 hidden- and 7 intermediate-size floats
+    rows = [dict(provider=p, status="ok", computed_tokens=str(n), peak_rss_mb=str(2000 + n * slope / 2**20))
+            for p, slope in (("gk_blocks", floor + rest + mlp), ("gk_tiled", floor + rest))
+            for n in (COMPONENT_MIN_TOKENS, 2 * COMPONENT_MIN_TOKENS, 4 * COMPONENT_MIN_TOKENS)]  # fmt: skip
+    rows += [dict(provider=p, status="ok", computed_tokens="1000", peak_rss_mb="9999") for p in ("gk_blocks",
+                                                                                                 "gk_tiled")]
+    text = "\n".join(component_model(rows, dict(layers=30, hidden=576, intermediate=1536)))
+    assert "removes 7.00 x intermediate size floats" in text and "is 6.00 x hidden size floats" in text
+    # Llama-8B bf16 per token: offload + tiled = rest only (6 x 4096 x 2); tiled adds the floor (32 x 4096 x 2);
+    # blocks adds the MLP's 7 x 14336 x 2 too
+    assert "| Llama-8B | offload + tiled MLP | 49 kB |" in text and "3.7M (8 GPUs) |" in text
+    assert "| Llama-8B | blocks + tiled MLP | 311 kB |" in text and "| Llama-8B | blocks | 512 kB |" in text
+    assert "No gk_blocks" in component_model(rows[:3], dict(layers=30, hidden=576, intermediate=1536))[0]

@@ -21,6 +21,8 @@ Providers (one micro-batch holds the whole step in all of them, so memory grows 
                             from TRL's padded inputs (each prompt stored once);
     gk_none / gk_blocks     grpo_kernels' grpo_step (packed, shared prompt, fused LM-head loss) without / with
                             model.activation_checkpointing = "blocks";
+    gk_selective            model.activation_checkpointing = "selective": the matmuls' and attention's outputs kept,
+                            the ops between them recomputed;
     gk_tiled                gk_blocks with the sequence-tiled MLP (model.mlp_tile_tokens = MLP_TILE, 512): one
                             block's MLP intermediates exist for a tile of the row, not the whole row;
     gk_sp                   gk_blocks on N ranks (torchrun, gloo) with distributed.sequence_parallel = N, the
@@ -70,7 +72,8 @@ OUT = Path(__file__).resolve().parent / "results" / "long_chains"
 COLUMNS = ["timestamp", "device", "torch", "git_sha", "model", "sweep", "provider", "group_size", "prompts",
            "min_len", "max_len", "real_tokens", "computed_tokens", "padding_fraction", "step_s", "tokens_per_s",
            "sp", "base_rss_mb", "peak_rss_mb", "cap_mb", "mmap_threshold", "load_before", "status"]  # fmt: skip
-PROVIDERS = ("trl_ckpt", "trl_nockpt", "fused_trl", "fused_trl_packed", "gk_none", "gk_blocks", "gk_tiled", "gk_sp")
+PROVIDERS = ("trl_ckpt", "trl_nockpt", "fused_trl", "fused_trl_packed", "gk_none", "gk_blocks", "gk_selective",
+             "gk_tiled", "gk_sp")
 MLP_TILE = 512  # gk_tiled's model.mlp_tile_tokens
 PROMPT = ("Solve the problem and show every step of your working, one intermediate result per line, then give the "
           "final answer as 'Answer: <number>'. A train travels 284 km at 71 km/h, stops for 25 minutes, then travels "
@@ -238,7 +241,7 @@ def _gk_step(spec: dict, model_dir: str) -> dict:
     d = init_distributed("gloo", sequence_parallel=sp) if sp > 1 else None
     model, _ = load_policy(model_dir, dtype="float32")
     if provider != "gk_none":
-        checkpoint_blocks(model.base_model.layers)
+        checkpoint_blocks(model.base_model.layers, "selective" if provider == "gk_selective" else "blocks")
     if provider == "gk_tiled":
         tile_mlps(model.base_model.layers, MLP_TILE)
     policy = Policy(model)

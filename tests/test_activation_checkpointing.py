@@ -49,10 +49,11 @@ def _loss_and_grads(model, packed, adv, old, autocast, **options):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.parametrize("mode", ["blocks", "selective"])
 @pytest.mark.parametrize("shared_prefix", [False, True], ids=["plain", "shared_prefix"])
 @pytest.mark.parametrize("arch", ["qwen2_tiny", "llama_gqa1"])
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
-def test_checkpointed_blocks_give_the_same_loss_and_gradients_fp32(arch, shared_prefix, loss_type):
+def test_checkpointed_blocks_give_the_same_loss_and_gradients_fp32(arch, shared_prefix, loss_type, mode):
     model = tiny_model(97) if arch == "qwen2_tiny" else _llama()
     packed, adv, old = _batch(97, shared_prefix)
     options = dict(loss_type=loss_type, num_items_in_batch=int(packed.completion_ids.shape[0]))
@@ -60,7 +61,7 @@ def test_checkpointed_blocks_give_the_same_loss_and_gradients_fp32(arch, shared_
         options = dict(loss_type="grpo", importance_sampling_level="sequence")
     plain_loss, plain = _loss_and_grads(model, packed, adv, old, False, **options)
     checkpointed = copy.deepcopy(model)
-    checkpoint_blocks(checkpointed.base_model.layers)
+    checkpoint_blocks(checkpointed.base_model.layers, mode)
     loss, grads = _loss_and_grads(checkpointed, packed, adv, old, False, **options)
     assert plain_loss != 0
     torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=0)
@@ -120,7 +121,7 @@ def test_checkpointing_keeps_far_fewer_activations_and_leaves_names_and_no_grad_
 def test_activation_checkpointing_config_default_and_choices():
     assert load_config().model.activation_checkpointing == "blocks"
     assert load_config(overrides=["--model.activation_checkpointing=none"]).model.activation_checkpointing == "none"
-    with pytest.raises(ValueError, match="model.activation_checkpointing must be one of 'none', 'blocks', 'offload'"):
+    with pytest.raises(ValueError, match="activation_checkpointing must be one of 'none', 'blocks', 'selective', 'off"):
         load_config(overrides=["--model.activation_checkpointing=layers"])
 
 
@@ -153,8 +154,8 @@ def test_offloaded_checkpoints_give_the_same_loss_and_gradients_and_copy_only_th
     monkeypatch.setattr(fsdp, "_from_host", unpack)
     for tiled in (False, True):
         offloaded = copy.deepcopy(model)
-        checkpoint_blocks(offloaded.base_model.layers, offload=True)
-        checkpoint_blocks(offloaded.base_model.layers, offload=True)  # idempotent
+        checkpoint_blocks(offloaded.base_model.layers, "offload")
+        checkpoint_blocks(offloaded.base_model.layers, "offload")  # idempotent
         if tiled:
             tile_mlps(offloaded.base_model.layers, 4)
         packs.clear(), unpacks.clear()
@@ -165,7 +166,7 @@ def test_offloaded_checkpoints_give_the_same_loss_and_gradients_and_copy_only_th
                                        else 1e-8, msg=name)  # fmt: skip
         assert packs == [((1, packed.num_tokens, 64), True)] * 3, packs  # the 3 blocks' hidden states, copied
         assert len(unpacks) == 3
-    with pytest.raises(ValueError, match="already checkpointed with offload"):
+    with pytest.raises(ValueError, match='already checkpointed in mode "offload", not "blocks"'):
         checkpoint_blocks(offloaded.base_model.layers)
     packs.clear()
     with torch.no_grad():
@@ -181,3 +182,37 @@ def test_offload_is_refused_on_a_cpu_run_in_one_line(tmp_path):
     with pytest.raises(ValueError, match='"offload" needs a CUDA device .*this run trains on cpu: use "blocks"'):
         train(config, log=lambda *a: None)
     assert not (tmp_path / "run").exists()
+
+
+def _backward_matmuls(model, packed):
+    """How many matmuls the backward runs (a recompute runs the forward's again)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+            return func(*args, **(kwargs or {}))
+
+    out = model.base_model(**packed.model_kwargs()).last_hidden_state.square().sum()
+    with Count():
+        out.backward()
+    return Count.n
+
+
+def test_selective_checkpointing_recomputes_no_matmul():
+    """"selective" keeps the matmul outputs: its backward runs as many matmuls as without checkpointing, while
+    "blocks" runs each block's forward matmuls again."""
+    g = torch.Generator().manual_seed(0)
+    packed = pack_sequences([torch.randint(3, 97, (5,), generator=g)] * 2,
+                            [torch.randint(3, 97, (9,), generator=g) for _ in range(2)])  # fmt: skip
+    counts = {}
+    for mode in ("none", "blocks", "selective"):
+        model = _llama()
+        if mode != "none":
+            checkpoint_blocks(model.base_model.layers, mode)
+        counts[mode] = _backward_matmuls(model, packed)
+    # "blocks" recomputes 6 of each block's 7 projections (q, k, v, o, gate, up; the recompute stops early once it
+    # has down's saved input, so down itself is not run again): 3 x 6
+    assert counts["selective"] == counts["none"] and counts["blocks"] == counts["none"] + 18, counts

@@ -81,7 +81,8 @@ class ModelConfig:
     activation (faster when they fit). "offload" (CUDA only): "blocks", with each block's checkpointed input moved
     to pinned host memory after the forward (on a side stream) and back when the backward recomputes the block, so
     the device keeps about one block's activations whatever the depth. The loss and gradients are the same either
-    way."""
+    way. "selective": keep the outputs of the matmuls and of attention, recompute only the cheap ops between them
+    (norms, activations, rotary embeddings): between "none" and "blocks" in memory, close to "none" in time."""
     mlp_tile_tokens: int = 0
     """Sequence-tiled MLP (grpo_kernels.train.tiled_mlp): > 0 runs every decoder block's MLP over tiles of this many
     tokens of the packed row, each tile checkpointed, so a block's MLP intermediates (4 x intermediate_size floats
@@ -94,7 +95,7 @@ class ModelConfig:
             self, at_least={"hidden_size": 1, "num_layers": 1, "num_heads": 1, "num_kv_heads": 1, "head_dim": 32,
                             "mlp_tile_tokens": 0},
             choices={"dtype": ("float32", "bfloat16"), "attn_implementation": ("grpo_varlen", "sdpa", "eager"),
-                     "activation_checkpointing": ("none", "blocks", "offload")},
+                     "activation_checkpointing": ("none", "blocks", "selective", "offload")},
         )  # fmt: skip
         _check(self, "name", self.name != "", "a non-empty string")
         _check(self, "num_kv_heads", self.num_heads % self.num_kv_heads == 0, f"a divisor of {self.num_heads}")

@@ -357,8 +357,8 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
     if config.loss.beta > 0:
         ref_policy = Policy(copy.deepcopy(model).requires_grad_(False), compute_dtype=torch.bfloat16 if bf16 else None)
     policy = Policy(model, compute_dtype=torch.bfloat16 if bf16 and not d.distributed else None)
-    if config.model.activation_checkpointing in ("blocks", "offload"):
-        checkpoint_blocks(_decoder_blocks(model), offload=config.model.activation_checkpointing == "offload")
+    if config.model.activation_checkpointing != "none":
+        checkpoint_blocks(_decoder_blocks(model), config.model.activation_checkpointing)
     if config.model.mlp_tile_tokens:
         tile_mlps(_decoder_blocks(model), config.model.mlp_tile_tokens)
     if d.distributed:

@@ -119,9 +119,9 @@ def test_checkpointing_keeps_far_fewer_activations_and_leaves_names_and_no_grad_
 
 
 def test_activation_checkpointing_config_default_and_choices():
-    assert load_config().model.activation_checkpointing == "blocks"
+    assert load_config().model.activation_checkpointing == "auto"
     assert load_config(overrides=["--model.activation_checkpointing=none"]).model.activation_checkpointing == "none"
-    with pytest.raises(ValueError, match="activation_checkpointing must be one of 'none', 'blocks', 'selective', 'off"):
+    with pytest.raises(ValueError, match="must be one of 'auto', 'none', 'blocks', 'selective', 'offload'"):
         load_config(overrides=["--model.activation_checkpointing=layers"])
 
 

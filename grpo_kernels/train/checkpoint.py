@@ -46,7 +46,7 @@ RUN_NEUTRAL_FIELDS = (
     "logging.run_dir", "logging.log_every", "logging.tensorboard", "checkpoint.every", "checkpoint.keep_last",
     "checkpoint.resume",
     "checkpoint.resume_step", "checkpoint.allow_config_change", "distributed.backend", "distributed.sequence_parallel",
-    "model.activation_checkpointing", "model.mlp_tile_tokens",
+    "model.activation_checkpointing", "model.activation_memory_gb", "model.mlp_tile_tokens",
 )  # fmt: skip
 """Config fields that may change on resume without changing the run: where it lives, what it logs, how often it
 checkpoints, how it resumes, the collective backend and the sequence-parallel layout (like the number of ranks,

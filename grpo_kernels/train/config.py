@@ -73,16 +73,20 @@ class ModelConfig:
     """Parameter dtype: "float32" or "bfloat16"."""
     attn_implementation: str = "grpo_varlen"
     """HF attention: "grpo_varlen" (packed, padding-free; registered by the trainer), "sdpa" or "eager"."""
-    activation_checkpointing: str = "blocks"
-    """"blocks": every decoder block's activations are recomputed in the backward instead of kept (one
-    torch.utils.checkpoint, non-reentrant, per block): activation memory drops from all blocks' to about one block's
-    plus a [tokens, hidden] tensor per block, for roughly one more forward per step. The default, because long
-    completions are where memory runs out (TRL turns gradient checkpointing on by default too). "none": keep every
-    activation (faster when they fit). "offload" (CUDA only): "blocks", with each block's checkpointed input moved
-    to pinned host memory after the forward (on a side stream) and back when the backward recomputes the block, so
-    the device keeps about one block's activations whatever the depth. The loss and gradients are the same either
-    way. "selective": keep the outputs of the matmuls and of attention, recompute only the cheap ops between them
-    (norms, activations, rotary embeddings): between "none" and "blocks" in memory, close to "none" in time."""
+    activation_checkpointing: str = "auto"
+    """How the backward gets the activations (the loss and gradients are the same in every mode). "none": keep
+    every activation (fastest; memory grows with layers x tokens). "selective": keep the outputs of the matmuls and
+    of attention, recompute only the cheap ops between them (norms, activations, rotary embeddings). "blocks": one
+    torch.utils.checkpoint (non-reentrant) per decoder block: activation memory drops to a [tokens, hidden] tensor
+    per block plus one block's working set, for roughly one more forward per step. "offload" (CUDA only): "blocks"
+    with each block's checkpointed input in pinned host memory between the forward (copied on a side stream) and
+    its recompute. "auto" (the default): the fastest of none, selective and blocks whose estimated activations for
+    a micro-batch of packing.token_budget tokens fit model.activation_memory_gb, logged at the start
+    (grpo_kernels.train.activation_memory)."""
+    activation_memory_gb: float | None = None
+    """"auto"'s activation budget in GiB; None: on CUDA 90 % of the device memory free after the model loads, on
+    CPU half the available memory, less the gradients and AdamW's moments (12 bytes per parameter). A budget that
+    cannot hold one completion with "blocks" is refused before the first step."""
     mlp_tile_tokens: int = 0
     """Sequence-tiled MLP (grpo_kernels.train.tiled_mlp): > 0 runs every decoder block's MLP over tiles of this many
     tokens of the packed row, each tile checkpointed, so a block's MLP intermediates (4 x intermediate_size floats
@@ -95,8 +99,11 @@ class ModelConfig:
             self, at_least={"hidden_size": 1, "num_layers": 1, "num_heads": 1, "num_kv_heads": 1, "head_dim": 32,
                             "mlp_tile_tokens": 0},
             choices={"dtype": ("float32", "bfloat16"), "attn_implementation": ("grpo_varlen", "sdpa", "eager"),
-                     "activation_checkpointing": ("none", "blocks", "selective", "offload")},
+                     "activation_checkpointing": ("auto", "none", "blocks", "selective", "offload")},
         )  # fmt: skip
+        gb = self.activation_memory_gb
+        if gb is not None:
+            _check(self, "activation_memory_gb", 0 < gb < float("inf"), "a positive finite number of GiB or none")
         _check(self, "name", self.name != "", "a non-empty string")
         _check(self, "num_kv_heads", self.num_heads % self.num_kv_heads == 0, f"a divisor of {self.num_heads}")
 

@@ -19,9 +19,10 @@ Sequence parallelism (`distributed.sequence_parallel = N`): the world is split i
 groups of N consecutive ranks; the N ranks of a group train the same micro-batches, each on a contiguous shard
 of every packed row (grpo_kernels.sequence_parallel). FSDP2 still shards over the whole world.
 
-Activation checkpointing (`model.activation_checkpointing = "blocks"`): every decoder block's forward runs under
-torch.utils.checkpoint (non-reentrant), applied before sharding, so the backward recomputes a block's activations
-instead of keeping them; the parameters and their names are untouched (checkpoints and weight sync unchanged).
+Activation checkpointing (`model.activation_checkpointing = "blocks"`, or what "auto" picks): every decoder block's
+forward runs under torch.utils.checkpoint (non-reentrant), applied before sharding, so the backward recomputes a
+block's activations instead of keeping them; the parameters and their names are untouched (checkpoints and weight
+sync unchanged).
 "selective" keeps the matmuls' and attention's outputs and recomputes only the cheap ops between them.
 "offload" also moves each block's checkpointed input, the one tensor per block that the forward keeps, to pinned
 host memory (copied on a side stream while the forward goes on) and back when the backward recomputes the block:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from .activation_memory import AUTO_ORDER, activation_budget, choose_checkpointing
 from .checkpoint import (
     CheckpointError,
     config_changes,
@@ -357,8 +358,21 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
     if config.loss.beta > 0:
         ref_policy = Policy(copy.deepcopy(model).requires_grad_(False), compute_dtype=torch.bfloat16 if bf16 else None)
     policy = Policy(model, compute_dtype=torch.bfloat16 if bf16 and not d.distributed else None)
-    if config.model.activation_checkpointing != "none":
-        checkpoint_blocks(_decoder_blocks(model), config.model.activation_checkpointing)
+    mode = config.model.activation_checkpointing
+    if mode == "auto":
+        mode, line = choose_checkpointing(
+            model.config, budget=activation_budget(model, d.device, config.model.activation_memory_gb),
+            tokens=config.packing.token_budget, completion_tokens=config.sampling.max_new_tokens,
+            dtype_bytes=2 if bf16 else 4, mlp_tile_tokens=config.model.mlp_tile_tokens,
+        )  # fmt: skip
+        if d.distributed:  # every rank the same mode: the most frugal any rank needs
+            modes = all_gather_objects(mode, d)
+            mode = max(modes, key=AUTO_ORDER.index)
+            line += "" if len(set(modes)) == 1 else f'; "{mode}" on every rank (the ranks chose {", ".join(modes)})'
+        if d.rank == 0:
+            log(line)
+    if mode != "none":
+        checkpoint_blocks(_decoder_blocks(model), mode)
     if config.model.mlp_tile_tokens:
         tile_mlps(_decoder_blocks(model), config.model.mlp_tile_tokens)
     if d.distributed:

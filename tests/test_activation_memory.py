@@ -1,0 +1,74 @@
+"""model.activation_checkpointing = "auto": the activation estimate against SmolLM2-135M's measured long-chain steps,
+the choice at both ends of the budget (none when it fits, blocks when only it fits, a one-line refusal when one
+completion does not fit), and a training run that logs its choice."""
+
+import json
+
+import pytest
+import transformers
+
+from grpo_kernels.cli import main
+from grpo_kernels.train.activation_memory import activation_bytes, choose_checkpointing
+from grpo_kernels.train.config import load_config
+
+SMOLLM2 = transformers.LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                   num_attention_heads=9, num_key_value_heads=3, head_dim=64)  # fmt: skip
+GIB = 2**30
+
+
+def test_estimates_match_the_measured_slopes_and_order_the_modes():
+    # benchmarks/results/long_chains: SmolLM2 fp32 with block checkpointing, 127.7 kB per token over the rows of at
+    # least 8,000 tokens; with the MLP tiled at 512, 84.9 kB (8 x 1000 and 8 x 2000 tokens)
+    tokens = 16113
+    per_token = {m: activation_bytes(m, SMOLLM2, dtype_bytes=4, tokens=tokens) / tokens
+                 for m in ("none", "selective", "blocks", "offload")}  # fmt: skip
+    assert per_token["blocks"] == pytest.approx(127.7e3, rel=0.05)
+    tiled = activation_bytes("blocks", SMOLLM2, dtype_bytes=4, tokens=tokens, mlp_tile_tokens=512) / tokens
+    assert tiled == pytest.approx(84.9e3, rel=0.05)
+    assert per_token["none"] > per_token["selective"] > per_token["blocks"] > per_token["offload"] > 0
+    assert activation_bytes("blocks", SMOLLM2, dtype_bytes=2, tokens=tokens) == pytest.approx(
+        activation_bytes("blocks", SMOLLM2, dtype_bytes=4, tokens=tokens) / 2)
+
+
+@pytest.mark.parametrize("budget_gib, mode", [(100, "none"), (4, "selective"), (1, "blocks")])
+def test_auto_takes_the_fastest_mode_that_fits(budget_gib, mode):
+    # 4096 tokens of SmolLM2 fp32: none 6.7 GiB, selective 2.9, blocks 0.49
+    chosen, line = choose_checkpointing(SMOLLM2, budget=budget_gib * GIB, tokens=4096, completion_tokens=64,
+                                        dtype_bytes=4)  # fmt: skip
+    assert chosen == mode and f'"auto": "{mode}"' in line and f"budget {budget_gib:.2f}" in line
+
+
+def test_auto_warns_when_only_one_completion_fits_and_refuses_when_not_even_that():
+    mode, line = choose_checkpointing(SMOLLM2, budget=0.25 * GIB, tokens=4096, completion_tokens=512, dtype_bytes=4)
+    assert mode == "blocks" and "may not fit" in line and "lower packing.token_budget" in line
+    with pytest.raises(ValueError, match=r"model.activation_memory_gb: an activation budget of 0.01 GiB cannot hold "
+                                         r"one completion of 512 tokens"):  # fmt: skip
+        choose_checkpointing(SMOLLM2, budget=0.01 * GIB, tokens=4096, completion_tokens=512, dtype_bytes=4)
+
+
+def test_auto_is_the_default_and_the_budget_is_checked():
+    config = load_config()
+    assert config.model.activation_checkpointing == "auto" and config.model.activation_memory_gb is None
+    assert load_config(overrides=["--model.activation_memory_gb=12"]).model.activation_memory_gb == 12.0
+    for bad in ("0", "-1", "inf"):
+        with pytest.raises(ValueError, match="model.activation_memory_gb must be a (positive )?finite number"):
+            load_config(overrides=[f"--model.activation_memory_gb={bad}"])
+
+
+def _run(tmp_path, *extra):
+    run = tmp_path / "run"
+    main(["train", f"--logging.run_dir={run}", "--optim.steps=1", "--sampling.group_size=4",
+          "--sampling.prompts_per_step=2", "--sampling.max_new_tokens=4", "--task.name=add",
+          "--task.sft_warmup_steps=2", "--task.num_eval_prompts=4", "--packing.token_budget=64", *extra])  # fmt: skip
+    return run
+
+
+def test_a_run_logs_its_choice_and_refuses_a_budget_below_one_completion(tmp_path, capsys):
+    run = _run(tmp_path / "big", "--model.activation_memory_gb=1")
+    assert 'model.activation_checkpointing = "auto": "none"' in capsys.readouterr().out
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0]
+    _run(tmp_path / "small", "--model.activation_memory_gb=0.0001")  # 107 kB: blocks holds 4 tokens, not 64
+    assert '"auto": "blocks", but a full micro-batch of 64 tokens may not fit' in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="model.activation_memory_gb: an activation budget of 0.00 GiB cannot hold "
+                                         "one completion of 4 tokens"):  # fmt: skip
+        _run(tmp_path / "none", "--model.activation_memory_gb=0.00001")

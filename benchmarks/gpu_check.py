@@ -187,7 +187,7 @@ def _offload_model(env, dtype, mode: str, small: bool):
     tokens, hidden, layers = (64, 32, 4) if env.dry or small else ((4096, 4096, 8) if env.quick else (8192, 4096, 16))
     torch.manual_seed(0)
     blocks = torch.nn.Sequential(*[_MLPBlock(hidden) for _ in range(layers)]).to(env.device, dtype)
-    checkpoint_blocks(list(blocks), offload=mode == "offload")
+    checkpoint_blocks(list(blocks), mode)
     x = torch.randn(tokens, hidden, device=env.device, dtype=dtype, requires_grad=True)
     return blocks, x
 

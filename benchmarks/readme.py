@@ -208,7 +208,13 @@ def _tables_of(md: Path) -> tuple[str, list]:
     """(the command line, the table lines) of a study's generated report."""
     text = md.read_text().splitlines()
     command = next((line.split("`")[1] for line in text if line.startswith("Command: `")), "")
-    return command, [line for line in text if line.startswith(("|", "## ", "**In progress"))]
+    lines = []
+    for line in text:
+        if line.startswith("|"):
+            lines.append(line)
+        elif line.startswith(("## ", "**In progress")):  # a heading or a paragraph: blank lines around it
+            lines += ([""] if lines else []) + [line, ""]
+    return command, lines
 
 
 def study_section(results: Path) -> list:

@@ -18,13 +18,13 @@ GIB = 2**30
 
 def test_estimates_match_the_measured_slopes_and_order_the_modes():
     # benchmarks/results/long_chains: SmolLM2 fp32 with block checkpointing, 127.7 kB per token over the rows of at
-    # least 8,000 tokens; with the MLP tiled at 512, 84.9 kB (8 x 1000 and 8 x 2000 tokens)
+    # least 8,000 tokens; with the MLP tiled at 512, 93.7 kB (8 x 1000, 2000 and 4000 tokens)
     tokens = 16113
     per_token = {m: activation_bytes(m, SMOLLM2, dtype_bytes=4, tokens=tokens) / tokens
                  for m in ("none", "selective", "blocks", "offload")}  # fmt: skip
     assert per_token["blocks"] == pytest.approx(127.7e3, rel=0.05)
     tiled = activation_bytes("blocks", SMOLLM2, dtype_bytes=4, tokens=tokens, mlp_tile_tokens=512) / tokens
-    assert tiled == pytest.approx(84.9e3, rel=0.05)
+    assert tiled == pytest.approx(93.7e3, rel=0.05)
     assert per_token["none"] > per_token["selective"] > per_token["blocks"] > per_token["offload"] > 0
     assert activation_bytes("blocks", SMOLLM2, dtype_bytes=2, tokens=tokens) == pytest.approx(
         activation_bytes("blocks", SMOLLM2, dtype_bytes=4, tokens=tokens) / 2)
@@ -32,7 +32,7 @@ def test_estimates_match_the_measured_slopes_and_order_the_modes():
 
 @pytest.mark.parametrize("budget_gib, mode", [(100, "none"), (4, "selective"), (1, "blocks")])
 def test_auto_takes_the_fastest_mode_that_fits(budget_gib, mode):
-    # 4096 tokens of SmolLM2 fp32: none 6.7 GiB, selective 2.9, blocks 0.49
+    # 4096 tokens of SmolLM2 fp32: none 6.7 GiB, selective 2.9, blocks 0.49 (see the line)
     chosen, line = choose_checkpointing(SMOLLM2, budget=budget_gib * GIB, tokens=4096, completion_tokens=64,
                                         dtype_bytes=4)  # fmt: skip
     assert chosen == mode and f'"auto": "{mode}"' in line and f"budget {budget_gib:.2f}" in line

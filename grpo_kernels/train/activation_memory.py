@@ -21,7 +21,7 @@ import torch
 
 __all__ = ["AUTO_ORDER", "BLOCK_HIDDEN", "BLOCK_MLP", "activation_bytes", "activation_budget", "choose_checkpointing"]
 
-BLOCK_HIDDEN, BLOCK_MLP = 6.9, 7.0  # one block's working set per token, in hidden- and intermediate-size values
+BLOCK_HIDDEN, BLOCK_MLP = 10.7, 5.5  # one block's working set per token, in hidden- and intermediate-size values
 AUTO_ORDER = ("none", "selective", "blocks")
 
 

@@ -10,7 +10,10 @@ The step: P prompts (a ~100-token chat prompt asking for worked reasoning) with 
 are synthetic token sequences (random ids of the model's vocabulary, no special tokens), seeded. Sweeps:
     spread   G = 8 and 16, one prompt, lengths drawn log-uniformly from 500 to 8,000 (the headline rows);
     length   G = 8, every completion L tokens, L = 250, 500, 1k, 2k, 4k, 8k (stops for a provider past the cap);
-    step     L = 8k, the completions of one step doubled: G = 16, 32 (the largest step that fits).
+    step     L = 8k, the completions of one step doubled: G = 16, 32 (the largest step that fits);
+    longest  (--sweeps longest, not in the default) the longest single chain per provider: two completions of L
+             tokens, each its own micro-batch (TRL: compute_loss and backward per row; ours: a token budget of one
+             completion), L doubling from 2,000 up to --longest-limit, then bisected to 5 %.
 They run cheapest first (length up to 2k, spread G = 8, length 4k, spread G = 16, length 8k, step).
 Providers (one micro-batch holds the whole step in all of them, so memory grows with the step):
     trl_ckpt / trl_nockpt   trl.GRPOTrainer.compute_loss + backward + AdamW step on TRL's padded batch (prompts
@@ -92,6 +95,34 @@ def sweeps(quick: bool) -> list[dict]:
     step = [dict(sweep="step", group_size=g, prompts=1, min_len=8000, max_len=8000) for g in (16, 32)]
     # the cheap points first: a run cut short (hours on CPU; a rerun resumes) still has the memory lines
     return [*length[:4], spread[0], length[4], spread[1], length[5], *step]
+
+
+def longest_point(n: int) -> dict:
+    """The "longest" sweep's point: two completions of n tokens (a GRPO group needs two), trained one per
+    micro-batch, so the peak is that of one chain of n tokens."""
+    return dict(sweep="longest", group_size=2, prompts=1, min_len=n, max_len=n)
+
+
+def longest_search(fits, start: int, limit: int, tolerance: float = 0.05) -> tuple[int, bool]:
+    """(the longest n for which fits(n), whether the search stopped at limit): doubling from start while it fits (up
+    to limit), then bisection until the bracket is within tolerance of its lower end; 0 when not even the shortest
+    length tried fits."""
+    lo, hi, n = 0, None, start
+    while hi is None:
+        if fits(n):
+            lo = n
+            if n >= limit:
+                return lo, True
+            n = min(2 * n, limit)
+        else:
+            hi = n
+    while hi - lo > max(1, tolerance * lo):
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, False
 
 
 def lengths_of(point: dict, seed: int = 0) -> list[int]:
@@ -208,6 +239,15 @@ def _trl_step(spec: dict, model_dir: str) -> dict:
 
     def step(batch):
         optimizer.zero_grad(set_to_none=True)
+        if point["sweep"] == "longest" and batch["completion_ids"].shape[0] == b:  # one completion per micro-batch
+            total = 0.0
+            for i in range(b):
+                one = trainer.compute_loss(model, {k: v[i : i + 1] if k != "num_items_in_batch" else v
+                                                   for k, v in batch.items()})  # fmt: skip
+                one.backward()
+                total += float(one)
+            optimizer.step()
+            return torch.tensor(total)
         loss = trainer.compute_loss(model, batch)
         loss.backward()
         optimizer.step()
@@ -255,6 +295,8 @@ def _gk_step(spec: dict, model_dir: str) -> dict:
     real = n * prompt.numel() + sum(c.numel() for c in completions)  # what a padded batch holds without its pads
     packed = point["prompts"] * prompt.numel() + sum(c.numel() for c in completions)  # the shared prompt once
     budget = -(-packed // sp)  # one micro-batch holds the whole step, as in the TRL providers
+    if point["sweep"] == "longest":  # one completion (and its prompt) per micro-batch
+        budget = -(-(prompt.numel() + point["max_len"]) // sp)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
     kw = {} if d is None else {"dist": d}
 
@@ -389,7 +431,7 @@ def run(args) -> Path:
         model_dir, model_name = str(resolve_model(args.model) or args.model), Path(args.model).name
     csv_path = args.csv or OUT / f"long_chains_{model_name}.csv"
     previous = _csv_rows(csv_path)
-    done = {_key(r) for r in previous}
+    done = {_key(r): r for r in previous}
     meta = run_meta("cpu")
     meta.pop("triton")
     sp = sp_size(model_dir)
@@ -398,31 +440,44 @@ def run(args) -> Path:
     over = {(r["provider"], r["sweep"]) for r in previous if r["status"] == "over_cap"}
     points = [p for p in sweeps(quick) if p["sweep"] in args.sweeps.split(",")]
     points = [p for p in points if not args.max_len or p["max_len"] <= args.max_len]
+    def measure_row(provider: str, point: dict) -> dict:
+        """The row of (provider, point): from the CSV when it is there, else measured and appended."""
+        ranks = sp if provider == "gk_sp" else 1
+        cap_mb = min(args.cap_gb, args.machine_gb / ranks) * 1024  # the ranks of gk_sp share the machine
+        row = {**meta, "model": model_name, "provider": provider, **point, "sp": ranks, "cap_mb": round(cap_mb),
+               "mmap_threshold": args.mmap_threshold}  # fmt: skip
+        if _key(row) in done:
+            return done[_key(row)]
+        if (provider, point["sweep"]) in over and point["sweep"] not in ("spread", "longest"):
+            row["status"] = "skipped: a smaller point of this sweep was over the cap"
+        else:
+            print(f"{provider:11s} {point}", flush=True)
+            row["load_before"] = round(os.getloadavg()[0], 2)  # other work on the cores skews step_s
+            row.update(measure(provider, point, model_dir=model_dir, cap_mb=cap_mb, scratch=scratch,
+                               timeout=args.timeout, mmap_threshold=args.mmap_threshold))  # fmt: skip
+            print(f"            -> {row['status']}" + (f", {row['peak_rss_mb']:.0f} MB peak, {row['step_s']:.1f} s"
+                                                        if row["status"] == "ok" else ""), flush=True)  # fmt: skip
+        if row["status"] == "over_cap":
+            over.add((provider, point["sweep"]))
+        if row["status"] == "ok":
+            row["padding_fraction"] = round(row["pad_tokens"] / row["computed_tokens"], 4)
+            row["tokens_per_s"] = round(row["real_tokens"] / row["step_s"], 1)
+            row["step_s"] = round(row["step_s"], 2)
+            row["peak_rss_mb"], row["base_rss_mb"] = round(row["peak_rss_mb"]), round(row["base_rss_mb"])
+        _append(csv_path, row)
+        done[_key(row)] = row
+        return row
+
     for point in (p for p in points if not args.group_size or p["group_size"] == args.group_size):
         for provider in providers:
-            ranks = sp if provider == "gk_sp" else 1
-            cap_mb = min(args.cap_gb, args.machine_gb / ranks) * 1024  # the ranks of gk_sp share the machine
-            row = {**meta, "model": model_name, "provider": provider, **point, "sp": ranks, "cap_mb": round(cap_mb),
-                   "mmap_threshold": args.mmap_threshold}  # fmt: skip
-            if _key(row) in done:
-                continue
-            if (provider, point["sweep"]) in over and point["sweep"] != "spread":
-                row["status"] = "skipped: a smaller point of this sweep was over the cap"
-            else:
-                print(f"{provider:11s} {point}", flush=True)
-                row["load_before"] = round(os.getloadavg()[0], 2)  # other work on the cores skews step_s
-                row.update(measure(provider, point, model_dir=model_dir, cap_mb=cap_mb, scratch=scratch,
-                                   timeout=args.timeout, mmap_threshold=args.mmap_threshold))  # fmt: skip
-                print(f"            -> {row['status']}" + (f", {row['peak_rss_mb']:.0f} MB peak, {row['step_s']:.1f} s"
-                                                            if row["status"] == "ok" else ""), flush=True)  # fmt: skip
-            if row["status"] == "over_cap":
-                over.add((provider, point["sweep"]))
-            if row["status"] == "ok":
-                row["padding_fraction"] = round(row["pad_tokens"] / row["computed_tokens"], 4)
-                row["tokens_per_s"] = round(row["real_tokens"] / row["step_s"], 1)
-                row["step_s"] = round(row["step_s"], 2)
-                row["peak_rss_mb"], row["base_rss_mb"] = round(row["peak_rss_mb"]), round(row["base_rss_mb"])
-            _append(csv_path, row)
+            measure_row(provider, point)
+    if "longest" in args.sweeps.split(","):
+        start, limit = (16, 16) if quick else (2000, args.longest_limit)
+        for provider in providers:
+            ok = lambda n, provider=provider: measure_row(provider, longest_point(n))["status"] == "ok"  # noqa: E731
+            n, capped = longest_search(ok, start, limit)
+            print(f"{provider:11s} longest single chain: {n} tokens" + (f" (the --longest-limit {limit})"
+                                                                         if capped else ""), flush=True)  # fmt: skip
     if quick:
         import shutil
 
@@ -459,7 +514,8 @@ def fit(rows: list[dict], min_tokens: int = 0) -> dict:
     out = {}
     for provider in PROVIDERS:
         pts = [(float(r["computed_tokens"]), float(r["peak_rss_mb"])) for r in rows
-               if r["provider"] == provider and r["status"] == "ok" and float(r["computed_tokens"]) >= min_tokens]
+               if r["provider"] == provider and r["status"] == "ok" and float(r["computed_tokens"]) >= min_tokens
+               and r["sweep"] != "longest"]  # a longest-chain row's peak is one micro-batch's, not the step's
         if len({x for x, _ in pts}) < 2:
             continue
         n = len(pts)
@@ -473,7 +529,7 @@ def memory_model(rows: list[dict], config: dict) -> str:
     """Markdown: the fitted bytes/token and the extrapolation to Qwen2.5-7B bf16 on 80 GB GPUs (a model)."""
     fits = fit(rows)
     if not fits:
-        return "No provider has two measured points: no memory model.\n"
+        return "\n".join(["No provider has two measured points: no memory model.", "", *longest_table(rows)])
     layers, hidden, inter = config["layers"], config["hidden"], config["intermediate"]
     scale = (QWEN7B["layers"] * (QWEN7B["hidden"] + QWEN7B["intermediate"])) / (layers * (hidden + inter)) * 0.5
     # Static memory per GPU under FSDP2 over 8 GPUs: bf16 params + fp32 master weights, fp32 gradients and two Adam
@@ -510,7 +566,25 @@ def memory_model(rows: list[dict], config: dict) -> str:
               "the rows record); GPU attention kernels need "
               "less than the CPU path measured here. The static term on CPU includes the Python process, torch and "
               "the model's fp32 weights, gradients and Adam moments.", ""]
-    return "\n".join(lines + component_model(rows, config))
+    return "\n".join(lines + component_model(rows, config) + longest_table(rows))
+
+
+def longest_table(rows: list[dict]) -> list[str]:
+    """Markdown lines: per provider, the longest single chain measured to fit and the shortest that did not."""
+    out = []
+    for provider in PROVIDERS:
+        mine = [r for r in rows if r["provider"] == provider and r["sweep"] == "longest"]
+        if not mine:
+            continue
+        fit = [int(r["max_len"]) for r in mine if r["status"] == "ok"]
+        over = [int(r["max_len"]) for r in mine if r["status"] != "ok"]
+        peak = next((r["peak_rss_mb"] for r in mine if fit and int(r["max_len"]) == max(fit)), "")
+        out.append(f"| {provider} | {max(fit) if fit else 0} | {peak} | {min(over) if over else '-'} |")
+    if not out:
+        return []
+    return ["## The longest single chain (measured: one completion per micro-batch, under the cap)", "",
+            "| provider | longest that fits (tokens) | its peak MB | shortest that did not |", "|---|---:|---:|---:|",
+            *out, ""]  # fmt: skip
 
 
 COMPONENT_MIN_TOKENS = 8000  # below, a step's peak is set by other phases (the flat start of every provider's line)
@@ -600,7 +674,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for provider in PROVIDERS:
         pts = sorted((int(r["computed_tokens"]), float(r["peak_rss_mb"]) / 1024) for r in rows
-                     if r["provider"] == provider and r["status"] == "ok")  # fmt: skip
+                     if r["provider"] == provider and r["status"] == "ok" and r["sweep"] != "longest")  # fmt: skip
         if pts:
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=provider)
     cap = max(float(r["cap_mb"]) for r in rows) / 1024
@@ -625,7 +699,10 @@ def main() -> None:
     parser.add_argument("--providers", default=",".join(PROVIDERS),
                         help="comma-separated subset of " + ", ".join(PROVIDERS))  # fmt: skip
     parser.add_argument("--sweeps", default="length,spread,step",
-                        help="comma-separated subset of length, spread, step (in their usual order)")
+                        help="comma-separated subset of length, spread, step (in their usual order) and longest (the "
+                             "longest single chain per provider, one completion per micro-batch: doubling from 2000 "
+                             "tokens, then bisection to 5 %%)")  # fmt: skip
+    parser.add_argument("--longest-limit", type=int, default=131072, help="the longest sweep stops doubling here")
     parser.add_argument("--max-len", type=int, default=0,
                         help="run only the points whose completions are at most this long (0: all)")
     parser.add_argument("--group-size", type=int, default=0, help="run only the points with this G (0: all)")
@@ -638,7 +715,9 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one measurement (JSON spec)
     args = parser.parse_args()
     unknown = set(args.providers.split(",")) - set(PROVIDERS) | set(args.sweeps.split(",")) - {"length", "spread",
-                                                                                                  "step"}  # fmt: skip
+                                                                                                  "step", "longest"}
+    if args.longest_limit < 16:
+        parser.error(f"--longest-limit must be >= 16, got {args.longest_limit}")
     if args.max_len < 0 or args.group_size < 0:
         parser.error(f"--max-len and --group-size must be >= 0, got {args.max_len} and {args.group_size}")
     if unknown:

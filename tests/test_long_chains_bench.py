@@ -97,3 +97,35 @@ def test_component_model_splits_the_fitted_slopes_and_scales_them_to_the_big_mod
     assert "| Llama-8B | offload + tiled MLP | 49 kB |" in text and "3.7M (8 GPUs) |" in text
     assert "| Llama-8B | blocks + tiled MLP | 311 kB |" in text and "| Llama-8B | blocks | 512 kB |" in text
     assert "No gk_blocks" in component_model(rows[:3], dict(layers=30, hidden=576, intermediate=1536))[0]
+
+
+def test_longest_search_doubles_then_bisects_to_five_percent():
+    sys.path.insert(0, str(SCRIPT.parent))
+    from long_chains import longest_search
+
+    tried = []
+
+    def fits_below(limit):
+        def fits(n):
+            tried.append(n)
+            return n <= limit
+
+        return fits
+
+    n, capped = longest_search(fits_below(5000), 2000, 131072)
+    assert not capped and 5000 / 1.05 <= n <= 5000 and tried[:3] == [2000, 4000, 8000]
+    assert len(tried) <= 3 + 5  # the bracket 4000..8000 halves to within 5 % in a few steps
+    assert longest_search(fits_below(10**9), 2000, 9000) == (9000, True)  # the limit itself is tried last
+    n, capped = longest_search(fits_below(700), 2000, 131072)
+    assert not capped and 700 / 1.05 <= n <= 700
+    assert longest_search(lambda n: False, 16, 64) == (0, False)
+
+
+@pytest.mark.slow
+def test_the_longest_sweep_trains_one_completion_per_micro_batch(tmp_path):
+    rows, stdout = _run(tmp_path, "--providers", "trl_ckpt,gk_blocks", "--sweeps", "longest")
+    # --quick: one length (16 tokens, the limit): TRL's compute_loss and backward per row, ours a budget of one
+    assert [(r["provider"], r["max_len"], r["status"]) for r in rows] == [("trl_ckpt", "16", "ok"),
+                                                                          ("gk_blocks", "16", "ok")]  # fmt: skip
+    assert "gk_blocks   longest single chain: 16 tokens (the --longest-limit 16)" in stdout
+    assert "| gk_blocks | 16 |" in (tmp_path / "memory_model.md").read_text()

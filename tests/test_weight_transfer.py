@@ -303,10 +303,10 @@ def test_server_cores_are_split_from_the_trainers(monkeypatch):
     from grpo_kernels.train.config import load_config
     from grpo_kernels.train.decoupled import _split_cores
 
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})  # the config checks the cores too
     s = load_config(None, ["--sampling.sampler=vllm", "--sampling.placement=decoupled", "--sampling.servers=2",
                            "--sampling.server_devices=0-1;2"]).sampling  # fmt: skip
     affinity = {}
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
     monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cores: affinity.update(mine=sorted(cores)))
     monkeypatch.setattr(torch, "set_num_threads", lambda n: affinity.update(threads=n))
     assert _split_cores(s, print) == [[0, 1], [2]]

@@ -42,6 +42,7 @@ from ..planner import ALGORITHMS
 from .config_fields import _check, _field_types, _typed, _validate
 
 TASK_NAMES = ("reverse", "add", "arith", "jsonl")
+MIN_TEMPERATURE = 1e-3
 
 __all__ = [  # (load_config, save_config, to_dict and describe come from config_io: see __getattr__ below)
     "CheckpointConfig", "DistributedConfig", "GroupSizeConfig", "LoggingConfig", "LossConfig", "ModelConfig",
@@ -206,7 +207,7 @@ class SamplingConfig:
     Their rewards still count in the group advantages. A step whose completions are all truncated has loss 0 and no
     gradient."""
     temperature: float = 1.0
-    """Sampling temperature (> 0); the trainer's log-probs use the same temperature."""
+    """Sampling temperature (>= 0.001); the trainer's log-probs use the same temperature."""
     top_p: float = 1.0
     """Nucleus sampling mass, 0 < top_p <= 1 (1 = off)."""
     hf_max_batch_rows: int = 256
@@ -235,8 +236,10 @@ class SamplingConfig:
     server_tensor_parallel_size: int = 1
     """Decoupled: devices per server the trainer starts (vLLM tensor parallelism)."""
     server_devices: str = ""
-    """Decoupled, GPUs: the devices of each started server, ";" between servers (like "2,3;4,5"); default: the
-    devices after the trainer's ranks on this node."""
+    """Decoupled: the devices of each started server, ";" between servers. GPUs: server_tensor_parallel_size
+    device indices each, none shared (like "2,3;4,5"); default: the devices after the trainer's ranks on this node.
+    CPU servers: core lists (like "0-3;4-7"), within this process's cores and leaving the trainer at least one;
+    default: the first half of the cores, shared. Checked at load."""
     server_timeout_s: float = 60.0
     """Decoupled: a server that stops answering (/health, a weight transfer) for this long ends the run."""
     server_start_timeout_s: float = 900.0
@@ -261,7 +264,9 @@ class SamplingConfig:
             choices={"sampler": ("hf", "vllm"), "placement": ("colocated", "decoupled"),
                      "weight_transfer": ("auto", "gloo", "nccl")},
         )  # fmt: skip
-        _check(self, "temperature", self.temperature > 0, "> 0")
+        _check(self, "temperature", self.temperature >= MIN_TEMPERATURE,
+               f">= {MIN_TEMPERATURE:g} (below, logits / T leave the range where log-probs and their ratios are "
+               "meaningful in float32; GRPO needs sampling, not greedy decoding)")  # fmt: skip
         _check(self, "top_p", 0 < self.top_p <= 1, "in (0, 1]")
         if self.max_model_len is not None and self.max_model_len <= self.max_new_tokens:
             raise ValueError(f"sampling.max_model_len ({self.max_model_len}) must exceed sampling.max_new_tokens "
@@ -294,7 +299,7 @@ class SamplingConfig:
         an empty item or one that is not an http(s)://host:port URL."""
         if not self.server_urls.strip():
             return []
-        out = []
+        out, seen = [], {}
         for i, item in enumerate(self.server_urls.split(",")):
             url = item.strip()
             if not url:
@@ -308,6 +313,11 @@ class SamplingConfig:
             if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or port is None:
                 raise ValueError(f"sampling.server_urls: {url!r} is not a server URL like http://host:8000 (scheme, "
                                  "host and port)")  # fmt: skip
+            key = (parts.scheme, parts.hostname.lower(), port)
+            if key in seen:
+                raise ValueError(f"sampling.server_urls: {url!r} names the same server as item {seen[key]}: each "
+                                 "server once (group k goes to server k % n)")  # fmt: skip
+            seen[key] = i
             out.append(url)
         return out
 
@@ -548,6 +558,24 @@ class TrainConfig:
         if self.task.eval_every and s.placement == "decoupled":
             raise ValueError(f"task.eval_every = {self.task.eval_every} needs sampling.placement \"colocated\" (the "
                              "decoupled servers sample ahead of the evaluations), got \"decoupled\"")  # fmt: skip
+        delta, high = self.loss.delta, self.loss.epsilon_high
+        if delta is not None and delta <= 1 + high:
+            raise ValueError(f"loss.delta must be above 1 + loss.epsilon_high = {1 + high:g} (the two-sided clip caps "
+                             f"the ratio above the upper clip), got {delta}")  # fmt: skip
+        steps = self.optim.steps
+        if self.optim.warmup_steps > steps:
+            raise ValueError(f"optim.warmup_steps = {self.optim.warmup_steps} is more than the run's optim.steps = "
+                             f"{steps}: the learning rate would never reach optim.lr")  # fmt: skip
+        if s.max_staleness >= steps:
+            raise ValueError(f"sampling.max_staleness must be below optim.steps ({steps}): with {s.max_staleness} "
+                             "every batch of the run would be sampled before its first update")  # fmt: skip
+        for name, every in (("logging.log_every", self.logging.log_every), ("checkpoint.every", self.checkpoint.every)):
+            if every > steps:
+                import warnings
+
+                what = ("only the first and the last steps' metrics lines will be written" if name[0] == "l"
+                        else "only the final checkpoint will be saved")
+                warnings.warn(f"{name} = {every} is more than optim.steps = {steps}: {what}", stacklevel=2)
         tile, budget = self.model.mlp_tile_tokens, self.packing.token_budget
         if tile >= budget:
             raise ValueError(f"model.mlp_tile_tokens must be below packing.token_budget ({budget}, the longest row: a "

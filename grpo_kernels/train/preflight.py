@@ -21,7 +21,8 @@ def check_server_resources(config) -> None:
     s = config.sampling
     if torch.cuda.is_available():
         if s.server_devices:
-            return  # explicit devices: checked when the servers start
+            _check_server_gpus(s.server_devices, s.server_tensor_parallel_size, torch.cuda.device_count())
+            return
         first = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         have = torch.cuda.device_count()
         if first + s.servers * s.server_tensor_parallel_size > have:
@@ -29,6 +30,17 @@ def check_server_resources(config) -> None:
                              f"{s.server_tensor_parallel_size} GPUs after the trainer's {first}: this node has {have}; "
                              "set sampling.server_devices or sampling.server_urls")  # fmt: skip
         return
+    if s.server_devices:  # CPU servers: core lists, checked as the servers will take them
+        from .decoupled import _parse_cores
+
+        cores = sorted(os.sched_getaffinity(0))
+        used = {c for entry in s.server_devices.split(";") for c in _parse_cores(entry, cores)}
+        if used >= set(cores):
+            raise ValueError(f"sampling.server_devices {s.server_devices!r} leaves the trainer no CPU core of "
+                             f"{cores}")  # fmt: skip
+    if s.server_tensor_parallel_size > 1:
+        raise ValueError(f"sampling.server_tensor_parallel_size = {s.server_tensor_parallel_size}: vLLM CPU servers "
+                         "run on one device each (this host has no GPU); use sampling.servers for more")  # fmt: skip
     try:
         kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 1)
     except ValueError:
@@ -42,6 +54,28 @@ def check_server_resources(config) -> None:
                          f"({kv:g} GiB KV cache (VLLM_CPU_KVCACHE_SPACE) + {weights:.2f} GiB weights + "
                          f"{CPU_SERVER_BASE_GIB:g} GiB engine each); this host has {available:.1f} GiB available: "
                          "start fewer, or run them elsewhere (sampling.server_urls)")  # fmt: skip
+
+
+def _check_server_gpus(value: str, per_server: int, have: int) -> None:
+    """sampling.server_devices: per server (";" between them) server_tensor_parallel_size distinct device indices
+    (non-negative integers, "," between them) of this node's `have` GPUs, no device shared between servers."""
+    seen = set()
+    for k, entry in enumerate(value.split(";")):
+        items = [i.strip() for i in entry.split(",")]
+        if not all(i.isdigit() for i in items):
+            raise ValueError(f"sampling.server_devices: server {k}'s devices {entry!r} are not device indices like "
+                             f'"0,1" (non-negative integers, "," between them, ";" between servers)')  # fmt: skip
+        devices = [int(i) for i in items]
+        if len(devices) != per_server:
+            raise ValueError(f"sampling.server_devices: server {k} lists {len(devices)} device(s) ({entry!r}), "
+                             f"sampling.server_tensor_parallel_size is {per_server}")  # fmt: skip
+        twice = seen.intersection(devices) or {d for d in devices if devices.count(d) > 1}
+        if twice:
+            raise ValueError(f"sampling.server_devices: device {min(twice)} is given twice in {value!r}: each "
+                             "server needs devices of its own")  # fmt: skip
+        seen.update(devices)
+    if max(seen) >= have:
+        raise ValueError(f"sampling.server_devices: device {max(seen)} does not exist, this node has {have} GPU(s)")
 
 
 def _weights_gib(m) -> float:

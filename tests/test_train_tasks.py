@@ -99,8 +99,41 @@ def test_jsonl_answers_that_are_not_text_or_a_finite_number_are_refused(tmp_path
     with pytest.raises(ValueError, match=r"data\.jsonl:2: \"answer\" must be a string or a finite number, got "
                                          + re.escape(shown) + "$"):  # fmt: skip
         load_jsonl(path)
-    path.write_text('{"prompt": "p", "answer": 4}\n{"prompt": "p", "answer": 0.5}\n{"prompt": "p", "answer": ""}\n')
-    assert [e.answer for e in load_jsonl(path)] == ["4", "0.5", ""]
+    path.write_text('{"prompt": "p", "answer": 4}\n{"prompt": "p", "answer": 0.5}\n')
+    assert [e.answer for e in load_jsonl(path)] == ["4", "0.5"]
+
+
+USER = {"role": "user", "content": "1+1?"}
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"prompt": "", "answer": "1"}, '"prompt" is empty$'),
+    ({"prompt": " \n\t", "answer": "1"}, r'"prompt" is empty \(only whitespace\)'),
+    ({"prompt": "p", "answer": ""}, '"answer" is empty$'),
+    ({"prompt": "p", "answer": "  "}, r'"answer" is empty \(only whitespace\)'),
+    ({"prompt": [{"role": "system", "content": "Be brief."}], "answer": "1"},
+     r'"prompt" has no user message \(roles: system\)'),
+    ({"prompt": [USER, {"role": "assistant", "content": "2"}], "answer": "2"},
+     '"prompt" ends with an assistant message'),
+    ({"prompt": [{"role": "user", "content": ""}], "answer": "1"}, "\"prompt\" message 0's content is empty"),
+    ({"prompt": "a\u0000b", "answer": "1"}, r'"prompt" contains a NUL character'),
+    ({"prompt": "p", "answer": "a\ud800"}, r'"answer" contains a lone surrogate \(\\ud800\)'),
+])  # fmt: skip
+def test_jsonl_rows_that_cannot_train_are_refused_with_the_line(tmp_path, row, message):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "p", "answer": "1"}\n' + json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=r"data\.jsonl:2: " + message):
+        load_jsonl(path)
+
+
+def test_jsonl_duplicate_keys_are_refused_not_last_one_wins(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "p", "answer": "1", "answer": "2"}\n')
+    with pytest.raises(ValueError, match=r'data\.jsonl:1: key "answer" appears twice in the row'):
+        load_jsonl(path)
+    path.write_text('{"prompt": [{"role": "user", "content": "a", "content": "b"}], "answer": "1"}\n')
+    with pytest.raises(ValueError, match='key "content" appears twice'):
+        load_jsonl(path)
 
 
 @pytest.mark.parametrize("role", ["robot", "", "User", "tool"])

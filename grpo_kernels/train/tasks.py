@@ -282,7 +282,10 @@ def load_jsonl(path) -> list[Example]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = json.loads(line, object_pairs_hook=_no_duplicate_keys)
+        except _DuplicateKey as exc:
+            raise ValueError(f"{path}:{number}: key {json.dumps(str(exc))} appears twice in the row (which one is "
+                             "meant?)") from None  # fmt: skip
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from exc
         except RecursionError:
@@ -297,10 +300,34 @@ def load_jsonl(path) -> list[Example]:
     return out
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicate_keys(pairs: list) -> dict:
+    keys = [k for k, _ in pairs]
+    for k in keys:
+        if keys.count(k) > 1:
+            raise _DuplicateKey(k)
+    return dict(pairs)
+
+
+def _text(value: str, where: str, what: str) -> str:
+    """A JSONL text field: not blank, no NUL and no lone surrogate (neither survives tokenization as written)."""
+    if not value.strip():
+        raise ValueError(f"{where}: {what} is empty" + (" (only whitespace)" if value else ""))
+    if "\x00" in value:
+        raise ValueError(f"{where}: {what} contains a NUL character (\\u0000)")
+    bad = next((c for c in value if 0xD800 <= ord(c) <= 0xDFFF), None)
+    if bad is not None:
+        raise ValueError(f"{where}: {what} contains a lone surrogate (\\u{ord(bad):04x}): not encodable text")
+    return value
+
+
 def _answer(value, where: str) -> str:
-    """A JSONL answer: a string, or a finite number (kept as its JSON text: 4 -> "4", 0.5 -> "0.5")."""
+    """A JSONL answer: a non-blank string, or a finite number (kept as its JSON text: 4 -> "4", 0.5 -> "0.5")."""
     if isinstance(value, str):
-        return value
+        return _text(value, where, '"answer"')
     if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
         return str(value)
     raise ValueError(f'{where}: "answer" must be a string or a finite number, got {_shown(value)}')
@@ -320,7 +347,7 @@ CHAT_ROLES = ("system", "user", "assistant")
 def _prompt(value, where: str):
     """A JSONL prompt: text, or TRL's conversational form (a non-empty list of {"role", "content"} strings)."""
     if isinstance(value, str):
-        return value
+        return _text(value, where, '"prompt"')
     if isinstance(value, list) and value and all(
         isinstance(m, dict) and set(m) == {"role", "content"} and all(isinstance(v, str) for v in m.values())
         for m in value
@@ -329,6 +356,13 @@ def _prompt(value, where: str):
             if m["role"] not in CHAT_ROLES:
                 raise ValueError(f'{where}: "prompt" message {i} has role {json.dumps(m["role"])}; a role is one of '
                                  f"{', '.join(CHAT_ROLES)}")  # fmt: skip
+            _text(m["content"], where, f'"prompt" message {i}\'s content')
+        if not any(m["role"] == "user" for m in value):
+            raise ValueError(f'{where}: "prompt" has no user message (roles: '
+                             f"{', '.join(m['role'] for m in value)})")  # fmt: skip
+        if value[-1]["role"] == "assistant":
+            raise ValueError(f'{where}: "prompt" ends with an assistant message: the completion is sampled as the '
+                             "assistant's answer to the last user message, so a prompt ends with one")  # fmt: skip
         return tuple({"role": m["role"], "content": m["content"]} for m in value)
     raise ValueError(f'{where}: "prompt" must be a string or a non-empty list of {{"role": str, "content": str}} '
                      f"messages, got {_shown(value)}")  # fmt: skip

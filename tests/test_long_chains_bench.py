@@ -85,11 +85,11 @@ def test_component_model_splits_the_fitted_slopes_and_scales_them_to_the_big_mod
     from long_chains import COMPONENT_MIN_TOKENS, component_model
 
     floor, rest, mlp = 30 * 576 * 4, 6 * 576 * 4, 7 * 1536 * 4  # SmolLM2: 6 hidden- and 7 intermediate-size floats
-    rows = [dict(provider=p, status="ok", computed_tokens=str(n), peak_rss_mb=str(2000 + n * slope / 2**20))
+    row = dict(status="ok", sweep="length")
+    rows = [dict(row, provider=p, computed_tokens=str(n), peak_rss_mb=str(2000 + n * slope / 2**20))
             for p, slope in (("gk_blocks", floor + rest + mlp), ("gk_tiled", floor + rest))
             for n in (COMPONENT_MIN_TOKENS, 2 * COMPONENT_MIN_TOKENS, 4 * COMPONENT_MIN_TOKENS)]  # fmt: skip
-    rows += [dict(provider=p, status="ok", computed_tokens="1000", peak_rss_mb="9999") for p in ("gk_blocks",
-                                                                                                 "gk_tiled")]
+    rows += [dict(row, provider=p, computed_tokens="1000", peak_rss_mb="9999") for p in ("gk_blocks", "gk_tiled")]
     text = "\n".join(component_model(rows, dict(layers=30, hidden=576, intermediate=1536)))
     assert "removes 7.00 x intermediate size floats" in text and "is 6.00 x hidden size floats" in text
     # Llama-8B bf16 per token: offload + tiled = rest only (6 x 4096 x 2); tiled adds the floor (32 x 4096 x 2);

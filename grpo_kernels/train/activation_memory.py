@@ -1,18 +1,20 @@
 """`model.activation_checkpointing = "auto"`: the fastest checkpointing mode whose activations fit a budget.
 
 The estimate is per token of a micro-batch (packing.token_budget tokens at most), from the model's sizes, with
-coefficients fitted on SmolLM2-135M's measured steps (benchmarks/results/long_chains/memory_model.md, rows of at
-least 8,000 tokens): one decoder block's working set while its backward runs is about
-`BLOCK_HIDDEN x hidden + BLOCK_MLP x intermediate` values per token (the MLP part drops to a tile with
-model.mlp_tile_tokens); "none" keeps that for every block, "selective" keeps the matmuls' and attention's outputs
-(4 x hidden + 2 x KV width + 2 x intermediate values per token and block) plus one block's working set, "blocks"
-keeps each block's input (hidden values per token and block) plus one block's working set. The modes in order of
-speed: none, selective, blocks; "auto" takes the first that fits, never "offload" (set it explicitly).
+coefficients fitted on SmolLM2-135M's measured steps with block checkpointing, with and without the tiled MLP
+(benchmarks/results/long_chains/memory_model.md, rows of at least 8,000 tokens; "selective" and "none" were not in
+the fit: their estimates are 5 % below and 23 % above their measured slopes). One decoder block's working set while
+its backward runs is about `BLOCK_HIDDEN x hidden + BLOCK_MLP x intermediate` values per token (the MLP part drops
+to a tile with model.mlp_tile_tokens); "none" keeps that for every block, "selective" keeps the matmuls' and
+attention's outputs (4 x hidden + 2 x KV width + 2 x intermediate values per token and block) plus one block's
+working set, "blocks" keeps each block's input (hidden values per token and block) plus one block's working set.
+The modes in order of speed: none, selective, blocks; "auto" takes the first that fits, never "offload" (set it
+explicitly).
 
 The budget (`model.activation_memory_gb`, unset: derived): on CUDA, 90 % of the device memory free once the model is
 loaded, less the gradients and AdamW's two moments still to be allocated (12 bytes per parameter); on CPU, half of
-the memory available (MemAvailable), less the same. A budget that does not hold one completion with "blocks" is
-refused before the first step, naming the option.
+the memory available (MemAvailable) shared by the ranks on this host (LOCAL_WORLD_SIZE), less the same. A budget
+that does not hold one completion with "blocks" is refused before the first step, naming the option.
 """
 
 import os
@@ -62,7 +64,8 @@ def activation_budget(model, device: torch.device, gb: float | None) -> float:
                     available = int(line.split()[1]) * 1024
     if available is None:  # not Linux: the total physical memory
         available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return 0.5 * available - later
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # the ranks on this host share its memory
+    return 0.5 * available / max(1, local_ranks) - later
 
 
 def choose_checkpointing(model_config, *, budget: float, tokens: int, completion_tokens: int, dtype_bytes: int,

@@ -63,10 +63,12 @@ def test_sane_values_next_to_the_refused_ones_load():
 @pytest.mark.parametrize("override, message", [
     ("--logging.log_every=100", "logging.log_every = 100 is more than optim.steps = 50: only the first and the last"),
     ("--checkpoint.every=100", "checkpoint.every = 100 is more than optim.steps = 50: only the final checkpoint"),
+    ("--group_size.max_resample_rounds=1000000000", "max_resample_rounds = 1000000000 has no effect: group_size.dyn"),
 ])  # fmt: skip
 def test_intervals_past_the_run_warn(override, message):
     with pytest.warns(UserWarning, match=message):
         load_config(overrides=[override])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        load_config(overrides=[override.split("=")[0] + "=50"])  # at the run's length: no warning
+        load_config(overrides=[override.split("=")[0] + "=50"] + ["--group_size.dynamic_sampling=true"] *
+                    ("resample" in override))  # at the run's length (resampling: when it is on): no warning

@@ -540,6 +540,11 @@ class TrainConfig:
                 f" * max_new_tokens = {rounds} * {s.prompts_per_step} * {g_max} * {s.max_new_tokens} tokens, more "
                 f"than sampling.max_step_tokens = {s.max_step_tokens}: lower max_resample_rounds or raise the bound"
             )
+        if not gs.dynamic_sampling and gs.max_resample_rounds != GroupSizeConfig().max_resample_rounds:
+            import warnings
+
+            warnings.warn(f"group_size.max_resample_rounds = {gs.max_resample_rounds} has no effect: "
+                          "group_size.dynamic_sampling is off", stacklevel=2)  # fmt: skip
         if s.placement == "decoupled" and not s.server_urls:
             from .preflight import check_server_resources
 

@@ -5,6 +5,7 @@ vLLM runs in a subprocess (tests/vllm_sampler_check.py, once for the module): it
 process-wide state. Without an importable vllm the tests skip, or fail when GRPO_REQUIRE_VLLM=1 (`make test`).
 """
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -49,6 +50,37 @@ def test_load_weights_moves_the_engine_to_the_new_weights(check):
     assert check["after_sync"] < TOL and check["after_sync_sample_vs_hf"] < TOL
     assert check["unchanged_after_hf_edit"] < TOL  # the engine holds a copy, not the trainer's tensors
     assert check["partial_state_dict_refused"]  # vLLM would re-initialise the weights it is not given
+
+
+@pytest.mark.slow
+def test_a_sync_shows_no_line_that_reads_like_a_failure(check):
+    # Sampling, the refused partial state dict, a sync and sampling again: vLLM's routine lines (the rotary cache
+    # "Failed to load weights", the reload time, the prefix-cache reset) were logged and hidden; nothing was shown.
+    assert check["hidden_by_sync"] >= 3 and check["shown_log_lines"] == []
+
+
+def test_the_routine_line_filter_hides_only_those_lines():
+    from grpo_kernels.train.vllm_sampler import quiet_routine_vllm_lines
+
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    shown = []
+    capture = logging.Handler(logging.INFO)
+    capture.emit = lambda record: shown.append(record.getMessage())
+    logger.addHandler(capture)
+    level, logger.level = logger.level, logging.INFO
+    try:
+        before = quiet_routine_vllm_lines()
+        logger.warning("%s: Failed to load weights", "RotaryEmbedding")  # a buffer derived from the config
+        logger.warning("%s: Failed to load weights", "QKVParallelLinear")  # a real failure: shown
+        logger.warning("Something else")
+        assert shown == ["QKVParallelLinear: Failed to load weights", "Something else"]
+        assert quiet_routine_vllm_lines() - before == 1
+        logger.setLevel(logging.DEBUG)  # VLLM_LOGGING_LEVEL=DEBUG shows them all
+        logger.warning("%s: Failed to load weights", "RotaryEmbedding")
+        assert shown[-1] == "RotaryEmbedding: Failed to load weights"
+    finally:
+        logger.removeHandler(capture)
+        logger.setLevel(level)
 
 
 @pytest.mark.slow

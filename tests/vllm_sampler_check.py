@@ -7,6 +7,7 @@ The reference log-probs are the HF model's own: log_softmax(logits / T) gathered
 """
 
 import json
+import logging
 import os
 import sys
 import time
@@ -48,7 +49,7 @@ def teach_eos(model, tok, steps=30):
 
 def main(work_dir: str) -> dict:
     from grpo_kernels.train.tasks import CharTokenizer, tiny_model
-    from grpo_kernels.train.vllm_sampler import VLLMSampler, save_hf_model
+    from grpo_kernels.train.vllm_sampler import VLLMSampler, quiet_routine_vllm_lines, save_hf_model
 
     torch.manual_seed(0)
     tok = CharTokenizer()
@@ -72,6 +73,12 @@ def main(work_dir: str) -> dict:
     start = time.perf_counter()
     sampler = VLLMSampler(directory, **options)
     startup_s = time.perf_counter() - start
+
+    # What vLLM shows at its default log level from here on (its handler hangs on the "vllm" logger).
+    shown = []
+    capture = logging.Handler(logging.INFO)
+    capture.emit = lambda record: shown.append(f"{record.levelname} {record.getMessage()}")
+    logging.getLogger("vllm").addHandler(capture)
 
     prompts = [tok.encode(text, bos=True) for text in TEXTS]
     start = time.perf_counter()
@@ -107,8 +114,10 @@ def main(work_dir: str) -> dict:
     except ValueError:
         partial_refused = True
     start = time.perf_counter()
+    hidden_before = quiet_routine_vllm_lines()
     sampler.load_weights(model.state_dict())
     load_weights_s = time.perf_counter() - start
+    hidden_by_sync = quiet_routine_vllm_lines() - hidden_before
     after_sync = max_diff(sampler.sequence_logprobs(fixed_prompt, fixed_completion), reference)
     after_sync_sampled = sampler.sample([fixed_prompt], G, seeds=[5])
     after_sync_sample_vs_hf = max(
@@ -144,6 +153,8 @@ def main(work_dir: str) -> dict:
         "unchanged_after_hf_edit": unchanged,
         "partial_state_dict_refused": partial_refused,
         "multiprocessing_refused": multiprocessing_refused,
+        "shown_log_lines": shown,
+        "hidden_by_sync": hidden_by_sync,
         "startup_s": startup_s,
         "sample_s": sample_s,
         "load_weights_s": load_weights_s,

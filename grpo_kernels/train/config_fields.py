@@ -43,7 +43,13 @@ def _typed(name: str, tp, value):
         return float(value)
     if inner is str and isinstance(value, str):
         return value
-    if typing.get_origin(inner) is tuple:
+    if typing.get_origin(inner) is tuple and typing.get_args(inner)[1:] == (Ellipsis,):  # tuple[X, ...]
+        item = typing.get_args(inner)[0]
+        if isinstance(value, str):  # TRL's report_to takes one name as a string too
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        if isinstance(value, (list, tuple)):
+            return tuple(_typed(f"{name}[{i}]", item, v) for i, v in enumerate(value))
+    elif typing.get_origin(inner) is tuple:
         args = typing.get_args(inner)
         if isinstance(value, (list, tuple)) and len(value) == len(args):
             return tuple(_typed(f"{name}[{i}]", a, v) for i, (a, v) in enumerate(zip(args, value, strict=True)))
@@ -52,7 +58,9 @@ def _typed(name: str, tp, value):
 
 def _describe(tp) -> str:
     inner, optional = _unwrap_optional(tp)
-    if typing.get_origin(inner) is tuple:
+    if typing.get_origin(inner) is tuple and typing.get_args(inner)[1:] == (Ellipsis,):
+        text = "a list of strings"
+    elif typing.get_origin(inner) is tuple:
         text = f"a list of {len(typing.get_args(inner))} numbers"
     else:
         text = {bool: "a bool", int: "an int", float: "a finite number", str: "a string"}[inner]
@@ -67,6 +75,8 @@ def _parse(name: str, tp, text: str):
         return None
     if inner is str:
         return text
+    if typing.get_origin(inner) is tuple and typing.get_args(inner)[1:] == (Ellipsis,):
+        return [part.strip() for part in s.strip("()[]").split(",") if part.strip()]
     if typing.get_origin(inner) is tuple:
         args, parts = typing.get_args(inner), s.strip("()[]").split(",")
         if len(parts) != len(args):

@@ -207,18 +207,20 @@ def grpo_step(policy, optimizer, rollout: Rollout, *, loss_options: dict, temper
     owner = 1.0 if dist.sp_rank == 0 else 0.0  # a sequence-parallel group's ranks hold the same values: count once
     summed = all_reduce_sum(torch.stack([local[k] for k in keys] + [tokens.to(device)]) * owner, dist)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    same = [norm, rollout.rewards.float().flatten().mean(), adv.invalid_fraction]  # identical on every rank
+    rewards = rollout.rewards.float().flatten()
+    reward_std = rewards.std() if rewards.numel() > 1 else rewards.new_tensor(float("nan"))  # unbiased, as TRL's
+    same = [norm, rewards.mean(), reward_std, adv.invalid_fraction]  # identical on every rank
     tail = [] if extremes is None else [extremes]
     host = torch.cat([summed, torch.stack([t.detach().double().to(device) for t in same]), *tail]).tolist()  # 1 sync
     metrics = dict(zip(keys, host[: len(keys)], strict=True))
-    tokens, grad_norm, reward, invalid_rate = host[len(keys) : len(keys) + 4]
+    tokens, grad_norm, reward, reward_std, invalid_rate = host[len(keys) : len(keys) + 5]
     if extremes is not None:
         metrics.update(is_ratio_max=host[-2], is_ratio_min=-host[-1])
     elapsed = time.perf_counter() - start
     metrics.update(
-        reward=reward, invalid_group_rate=invalid_rate, grad_norm=grad_norm, completion_tokens=total_tokens,
-        micro_batches=len(micro), train_tokens_per_s=tokens / elapsed, train_step_s=elapsed,
-        completion_length=total_tokens / n, **step_metrics(rollout, token_budget=token_budget,
+        reward=reward, reward_std=reward_std, invalid_group_rate=invalid_rate, grad_norm=grad_norm,
+        completion_tokens=total_tokens, micro_batches=len(micro), train_tokens_per_s=tokens / elapsed,
+        train_step_s=elapsed, completion_length=total_tokens / n, **step_metrics(rollout, token_budget=token_budget,
                                                            micro_batches=len(micro), world=dist.world,
                                                            shared_prefix=shared_prefix),
     )  # fmt: skip

@@ -50,6 +50,7 @@ from .sampler import HFSampler
 from .step import Policy, grpo_step, sft_warmup
 from .tasks import CharTokenizer, PromptStream, make_task, tiny_model
 from .tiled_mlp import tile_mlps
+from .tracking import Trackers, check_installed
 
 __all__ = ["evaluate", "task_examples", "train"]
 
@@ -197,11 +198,7 @@ def _build(config: TrainConfig):
     if sp > 1 and heads is not None and heads % sp:
         raise ValueError(f"distributed.sequence_parallel = {sp} must divide the attention heads of {m.name} "
                          f"({heads})")  # fmt: skip
-    if config.logging.tensorboard:
-        try:
-            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
-        except ImportError as exc:
-            raise ValueError("logging.tensorboard needs the tensorboard package (pip install tensorboard)") from exc
+    check_installed(config.logging.report_to)
     return tok, task, train_set, eval_set, model
 
 
@@ -387,6 +384,8 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
                                  window=gs.window) if gs.adaptive else None  # fmt: skip
     stream, first, elapsed = PromptStream(train_set, config.seed), 0, 0.0
     loss_options = config.loss.kwargs()
+    if d.sp == 1:  # the fused head's mean entropy of the completion tokens, a metric (TRL's "entropy")
+        loss_options["return_entropy"] = True
     if decoupled:
         example = train_set[0]
         rollouts.connect(policy.model, (tok.encode_prompt(example.prompt), tok.encode(example.answer, eos=True)))
@@ -449,11 +448,9 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
             kept_evals = [line for line in eval_path.read_text().splitlines() if json.loads(line)["step"] < first]
         if texts_path.exists():
             kept_texts = [line for line in texts_path.read_text().splitlines() if json.loads(line)["step"] < first]
-    writer = None
-    if config.logging.tensorboard and d.is_main:
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(str(run_dir / "tensorboard"))
+    trackers = Trackers.start(config, run_dir, resume=checkpoint is not None) if d.is_main else None
+    if trackers is not None and checkpoint is None and len(eval_set):
+        trackers.log_eval({"eval_success": start_eval, "eval_success_se": _se(start_eval, len(eval_set))}, -1)
     bar = _progress(o.steps, first, enabled=d.is_main)
     say = bar.write if bar is not None else log
     started = time.perf_counter() - elapsed
@@ -494,13 +491,12 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
         totals["completions_sampled"] += sampled * g
         totals["sampled_tokens"] += tokens
         totals["generate_s"] += timing["rollout_generate_s"]
-        def log_metrics(metrics: dict) -> None:  # metrics.jsonl and tensorboard, one line per step
+        def log_metrics(metrics: dict) -> None:  # metrics.jsonl and the trackers, one line per step
             if out is not None:
                 out.write(json.dumps(metrics) + "\n")
                 out.flush()
-            if writer is not None:
-                for key, value in metrics.items():
-                    writer.add_scalar(key, value, metrics["step"])
+            if trackers is not None:
+                trackers.log(metrics, metrics["step"])
 
         if rollout is None:  # a line that says so (no loss, reward or throughput: nothing was trained)
             metrics = {**timing, **(sync_sampler(step + 1, changed=False) or {})}
@@ -543,11 +539,13 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
             eval_s = time.perf_counter() - start
             eval_total += eval_s
             if evals is not None:
-                evals.write(json.dumps({"step": step, "eval_success": success,
-                                        "eval_success_se": _se(success, len(eval_set)), "eval_s": eval_s,
-                                        "eval_s_total": eval_total, **totals,
-                                        "elapsed_s": time.perf_counter() - started}) + "\n")  # fmt: skip
+                row = {"step": step, "eval_success": success, "eval_success_se": _se(success, len(eval_set)),
+                       "eval_s": eval_s, "eval_s_total": eval_total, **totals,
+                       "elapsed_s": time.perf_counter() - started}  # fmt: skip
+                evals.write(json.dumps(row) + "\n")
                 evals.flush()
+                if trackers is not None:
+                    trackers.log_eval(row, step)
             say(f"step {step:4d}  held-out success {_with_se(success, len(eval_set))}")
             evaluated = (step, success)
             if t.target_success is not None and success >= t.target_success:
@@ -574,8 +572,8 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
         texts.close()
     if bar is not None:
         bar.close()
-    if writer is not None:
-        writer.close()
+    if trackers is not None:
+        trackers.close()
     if pipeline is not None:
         pipeline.close()
     steps = o.steps if reached is None else reached + 1

@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import cpu_numbers, number_list
+from benchmarks.common import cpu_numbers, number_list, t975
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "benchmarks" / "results" / "group_size_learning"
@@ -232,6 +232,53 @@ def summary_table(runs: list[dict]) -> list[str]:
     return lines
 
 
+INTERVAL_KEYS = (("steps", "steps", "{:.1f}"), ("completions", "completions", "{:,.0f}"),
+                 ("model_gpu_s", "GPU s (model)", "{:.2f}"))  # fmt: skip
+
+
+def _interval(values: list[float], form: str) -> str:
+    """mean ± the 95 % Student-t half-width (the mean alone for one value)."""
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return form.format(mean)
+    sd = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+    return f"{form.format(mean)} ± {form.format(t975(len(values) - 1) * sd / len(values) ** 0.5)}"
+
+
+def interval_tables(runs: list[dict]) -> list[str]:
+    """Per setting, mean ± 95 % over the seeds, to the target; then every pair of settings paired by seed (a seed is
+    the same SFT start, prompt stream and held-out set in every setting): the mean difference ± 95 % and whether the
+    interval excludes 0. Only runs that reached the target count (how many did is in the first column)."""
+    settings = list(dict.fromkeys(r["setting"] for r in runs))
+    reached = {(r["setting"], r["seed"]): r for r in runs if r["reached"]}
+    lines = ["| setting | seeds reached | " + " | ".join(name for _, name, _ in INTERVAL_KEYS) + " |",
+             "|---|---:|" + "---:|" * len(INTERVAL_KEYS)]  # fmt: skip
+    for setting in settings:
+        hit = [r for (s, _), r in reached.items() if s == setting]
+        total = sum(r["setting"] == setting for r in runs)
+        cols = [_interval([r[k] for r in hit], form) if hit else "-" for k, _, form in INTERVAL_KEYS]
+        lines.append(f"| {setting} | {len(hit)} / {total} | " + " | ".join(cols) + " |")
+    lines += ["", "Paired by seed, row minus column setting (mean difference ± 95 %; **bold**: the interval excludes 0, "
+              "a resolved difference):", ""]  # fmt: skip
+    lines += ["| pair | seeds | " + " | ".join(name for _, name, _ in INTERVAL_KEYS) + " |",
+              "|---|---:|" + "---:|" * len(INTERVAL_KEYS)]  # fmt: skip
+    for i, a in enumerate(settings):
+        for b in settings[i + 1 :]:
+            seeds = sorted(seed for s, seed in reached if s == a and (b, seed) in reached)
+            if len(seeds) < 2:
+                continue
+            cols = []
+            for key, _, form in INTERVAL_KEYS:
+                diffs = [reached[a, seed][key] - reached[b, seed][key] for seed in seeds]
+                mean = sum(diffs) / len(diffs)
+                sd = (sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)) ** 0.5
+                half = t975(len(diffs) - 1) * sd / len(diffs) ** 0.5
+                text = f"{form.format(mean)} ± {form.format(half)}"
+                cols.append(f"**{text}**" if abs(mean) > half else text)
+            lines.append(f"| {a} - {b} | {len(seeds)} | " + " | ".join(cols) + " |")
+    return lines
+
+
 ADAPTIVE_COLUMNS = ["run", "step", "g_before", "g_after", "invalid_before", "invalid_after", "all_zero_before",
                     "all_zero_after"]  # fmt: skip
 WINDOW = 5  # steps averaged before and from a change of G (group_size.window's default)
@@ -360,7 +407,8 @@ def report(results: Path, curves: list[dict], runs: list[dict], *, command: str,
              f"generate + weight-sync time on {where} (evaluations left out); GPU seconds are a model, not a "
              f"measurement: tokens trained / {gpu['train_tokens_per_s']:g} tokens/s + decode steps x "
              f"{gpu['decode_step_s']:g} s + tokens sampled / {gpu['sample_tokens_per_s']:g} tokens/s.", "",
-             *summary_table(runs), "", *first_eval_table(curves), ""]  # fmt: skip
+             *summary_table(runs), "", "## To the target, mean ± 95 % over seeds", "", *interval_tables(runs), "",
+             *first_eval_table(curves), ""]  # fmt: skip
     adaptive = adaptive_table(_read_csv(results / "adaptive.csv") if (results / "adaptive.csv").exists() else [])
     lines += [*adaptive, ""] if adaptive else []
     (results / "summary.md").write_text("\n".join(lines))

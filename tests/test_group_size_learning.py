@@ -173,3 +173,22 @@ def test_adaptive_changes_report_when_g_grew_and_the_invalid_rate_around_it(tmp_
     table = "\n".join(gl.adaptive_table(gl._read_csv(tmp_path / "adaptive.csv")))
     assert "| adaptive_seed0 | 6 | 8 -> 16 | 0.68 | 0.3 | 0.5 | 0.0 |" in table
     assert "| adaptive_seed1 | - | 8 throughout | 0.2 (whole run) | - | - (whole run) | - |" in table
+
+
+def test_interval_tables_pair_by_seed_and_mark_only_resolved_differences():
+    from benchmarks.group_size_learning import interval_tables
+
+    def run(setting, seed, steps, reached=True):
+        return {"setting": setting, "seed": seed, "reached": reached, "steps": steps, "completions": 8 * steps,
+                "model_gpu_s": steps / 10}  # fmt: skip
+
+    # A is B + 4 steps on every seed (resolved however large the spread between seeds); C is B +- 1.
+    runs = [run("A", s, 8 * s + 4) for s in range(1, 6)] + [run("B", s, 8 * s) for s in range(1, 6)]
+    runs += [run("C", s, 8 * s + (-1) ** s) for s in range(1, 6)] + [run("D", 1, 4), run("D", 2, 60, reached=False)]
+    lines = interval_tables(runs)
+    rows = {line.split(" | ")[0].strip("| "): line for line in lines if line.startswith("| ")}
+    assert "| 5 / 5 | 28.0 ± 15.7 |" in rows["A"]  # steps 12..44: sd 12.65, t(4) 2.776, / sqrt 5
+    assert "| 1 / 2 | 4.0 |" in rows["D"]  # one seed reached: a mean, no interval
+    assert "| 5 | **4.0 ± 0.0** |" in rows["A - B"]
+    assert "**" not in rows["B - C"] and "| 5 | 0.2 ± 1.4 |" in rows["B - C"]  # +-1 alternating: not resolved
+    assert not any(k.startswith("D") or k.endswith("D") for k in rows if " - " in k)  # D pairs with < 2 seeds

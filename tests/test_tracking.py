@@ -17,8 +17,6 @@ import pytest
 from grpo_kernels.train.config import load_config
 from grpo_kernels.train.tracking import TRL_NAMES, check_installed, trl_names
 
-pytestmark = pytest.mark.xdist_group("subprocess")
-
 STEPS = ["--optim.steps=3", "--task.eval_every=2", "--task.num_eval_prompts=16", "--sampling.group_size=4",
          "--sampling.prompts_per_step=4", "--model.num_layers=1", "--task.name=add", "--task.difficulty=1",
          "--task.sft_warmup_steps=60", "--sampling.max_new_tokens=4", "--checkpoint.every=2"]  # fmt: skip

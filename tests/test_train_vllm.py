@@ -14,7 +14,7 @@ import sys
 import pytest
 
 ARGS = ["--optim.steps=3", "--optim.lr=2e-2", "--sampling.group_size=4", "--sampling.prompts_per_step=4",
-        "--sampling.max_new_tokens=4", "--sampling.temperature=0.8", "--task.name=add", "--task.sft_warmup_steps=60",
+        "--sampling.max_new_tokens=4", "--sampling.temperature=0.8", "--task.name=add", "--task.sft_warmup_steps=100",
         "--task.num_eval_prompts=4", "--packing.token_budget=64", "--sampling.sampler=vllm"]  # fmt: skip
 
 

@@ -258,8 +258,8 @@ def interval_tables(runs: list[dict]) -> list[str]:
         total = sum(r["setting"] == setting for r in runs)
         cols = [_interval([r[k] for r in hit], form) if hit else "-" for k, _, form in INTERVAL_KEYS]
         lines.append(f"| {setting} | {len(hit)} / {total} | " + " | ".join(cols) + " |")
-    lines += ["", "Paired by seed, the first setting minus the second (mean difference ± 95 %; **bold**: the "
-              "interval excludes 0, a resolved difference):", ""]  # fmt: skip
+    lines += ["", "_Paired by seed, the first setting minus the second (mean difference ± 95 %; **bold**: the "
+              "interval excludes 0, a resolved difference):_", ""]  # fmt: skip
     lines += ["| pair | seeds | " + " | ".join(name for _, name, _ in INTERVAL_KEYS) + " |",
               "|---|---:|" + "---:|" * len(INTERVAL_KEYS)]  # fmt: skip
     for i, a in enumerate(settings):

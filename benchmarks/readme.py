@@ -212,7 +212,7 @@ def _tables_of(md: Path) -> tuple[str, list]:
     for line in text:
         if line.startswith("|"):
             lines.append(line)
-        elif line.startswith(("## ", "**In progress")):  # a heading or a paragraph: blank lines around it
+        elif line.startswith(("## ", "**In progress", "_")):  # a heading or a paragraph: blank lines around it
             lines += ([""] if lines else []) + [line, ""]
     return command, lines
 

@@ -82,7 +82,7 @@ def test_component_model_splits_the_fitted_slopes_and_scales_them_to_the_big_mod
     """The offload / tiled-MLP model: gk_blocks - gk_tiled is the MLP's share, gk_tiled - the checkpoint floor the
     rest of a block's working set; rows below the component fit's minimum (a flat start) are left out."""
     sys.path.insert(0, str(SCRIPT.parent))
-    from long_chains import COMPONENT_MIN_TOKENS, component_model
+    from long_chains_report import COMPONENT_MIN_TOKENS, component_model
 
     floor, rest, mlp = 30 * 576 * 4, 6 * 576 * 4, 7 * 1536 * 4  # SmolLM2: 6 hidden- and 7 intermediate-size floats
     row = dict(status="ok", sweep="length")

@@ -466,18 +466,9 @@ class LoggingConfig:
     def __post_init__(self):
         _validate(self, at_least={"log_every": 1, "completions_every": 0})
         _check(self, "run_dir", self.run_dir != "", "a non-empty path")
-        from .tracking import REPORT_TO
+        from .tracking import checked_report_to
 
-        names = tuple(n for n in self.report_to if n != "none")
-        for n in names:
-            if n not in REPORT_TO:
-                raise ValueError(f"logging.report_to: {n!r} is not a tracker here; one of "
-                                 f"{', '.join(map(repr, REPORT_TO))} (or \"none\")")  # fmt: skip
-        if len(set(names)) < len(names) or ("none" in self.report_to and names):
-            raise ValueError(f"logging.report_to names a tracker twice or with \"none\": {list(self.report_to)}")
-        if self.tensorboard and "tensorboard" not in names:
-            names += ("tensorboard",)
-        self.report_to = names
+        self.report_to = checked_report_to(self.report_to, self.tensorboard)
         _check(self, "project", self.project.strip() != "", "a non-empty name")
 
 

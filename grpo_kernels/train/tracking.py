@@ -25,10 +25,9 @@ import json
 import math
 from pathlib import Path
 
-__all__ = ["REPORT_TO", "TRL_NAMES", "Trackers", "check_installed", "trl_names"]
+__all__ = ["REPORT_TO", "TRL_NAMES", "Trackers", "check_installed", "checked_report_to", "trl_names"]
 
-REPORT_TO = ("tensorboard", "wandb", "trackio")
-EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}  # report_to name -> package
+REPORT_TO = ("tensorboard", "wandb", "trackio")  # each is also its package's and its extra's name
 TRL_NAMES = {  # this package's metric name -> TRL GRPOTrainer's, where the quantity is the same
     "reward": "reward",
     "reward_std": "reward_std",
@@ -50,18 +49,31 @@ TRL_NAMES = {  # this package's metric name -> TRL GRPOTrainer's, where the quan
 _NOT_LOGGED = ("step",)  # the x axis, logged as train/global_step
 
 
+def checked_report_to(report_to: tuple, tensorboard: bool) -> tuple:
+    """logging.report_to without "none", with "tensorboard" added when the logging.tensorboard alias is on; an
+    unknown tracker, one named twice or one beside "none" is a ValueError."""
+    names = tuple(n for n in report_to if n != "none")
+    for n in names:
+        if n not in REPORT_TO:
+            raise ValueError(f"logging.report_to: {n!r} is not a tracker here; one of "
+                             f"{', '.join(map(repr, REPORT_TO))} (or \"none\")")  # fmt: skip
+    if len(set(names)) < len(names) or ("none" in report_to and names):
+        raise ValueError(f"logging.report_to names a tracker twice or with \"none\": {list(report_to)}")
+    return names + ("tensorboard",) if tensorboard and "tensorboard" not in names else names
+
+
 def check_installed(report_to) -> None:
     """Each tracker of report_to importable, else a ValueError naming the extra to install."""
     import importlib.util
 
     for name in report_to:
-        module = "torch.utils.tensorboard" if name == "tensorboard" else name
         try:
-            found = importlib.util.find_spec(EXTRAS[name]) is not None and importlib.util.find_spec(module) is not None
+            found = importlib.util.find_spec(name) is not None and (
+                name != "tensorboard" or importlib.util.find_spec("torch.utils.tensorboard") is not None)
         except ImportError:
             found = False
         if not found:
-            raise ValueError(f'logging.report_to names "{name}", which needs the {EXTRAS[name]} package: '
+            raise ValueError(f'logging.report_to names "{name}", which needs the {name} package: '
                              f"pip install 'grpo-kernels[{name}]'")  # fmt: skip
 
 
@@ -80,8 +92,8 @@ def trl_names(metrics: dict, prefix: str = "train/") -> dict:
 class Trackers:
     """The trackers of one run (main rank only)."""
 
-    def __init__(self, names, run_dir: Path):
-        self.names, self.run_dir = tuple(names), Path(run_dir)
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
         self.writer = self.wandb_run = self.trackio = None
 
     @classmethod
@@ -91,7 +103,7 @@ class Trackers:
             return None
         from .config_io import to_dict
 
-        self = cls(names, run_dir)
+        self = cls(run_dir)
         settings, state_path = to_dict(config), self.run_dir / "tracking.json"
         state = json.loads(state_path.read_text()) if resume and state_path.exists() else {}
         run_name = config.logging.run_name or self.run_dir.resolve().name
@@ -113,9 +125,9 @@ class Trackers:
             import trackio
 
             self.trackio = trackio
-            trackio.init(project=project, name=state.get("trackio_name", run_name), config=settings,
-                         resume="allow" if "trackio_name" in state else "never")  # fmt: skip
-            state["trackio_name"] = run_name if "trackio_name" not in state else state["trackio_name"]
+            resume_trackio = "trackio_name" in state
+            trackio.init(project=project, name=state.setdefault("trackio_name", run_name), config=settings,
+                         resume="allow" if resume_trackio else "never")  # fmt: skip
         state_path.write_text(json.dumps(state) + "\n")
         return self
 

@@ -76,13 +76,16 @@ TRITON_INTERPRETER_PATCHED_ONCE = (
 )
 
 # Modules whose tests run on one worker, one at a time (pytest-xdist's --dist loadgroup): those that start several
-# processes of their own (torchrun ranks, spawned workers, the benchmark runners), and the vLLM modules whose
-# module-scoped fixture (a converted model, an engine) would otherwise be built once per worker. The other vLLM tests
-# are spread over both workers (at most two engines or servers at once, a few GiB each): as one group they were the
-# suite's critical path (~980 s of CPU on one worker, each `vllm serve` start ~35-50 s of CPU).
+# processes of their own (torchrun ranks, spawned workers, the benchmark runners), the vLLM modules whose
+# module-scoped fixture (a converted model, an engine, a rollout server) would otherwise be built once per worker,
+# and the learning check, whose runs share each seed's SFT warm start within a process (tests/learning_check.py).
+# The other vLLM tests are spread over both workers (at most two engines or servers at once, a few GiB each): as one
+# group they were the suite's critical path (~980 s of CPU on one worker, each `vllm serve` start ~35-50 s of CPU).
 XDIST_GROUPS = {
     "processes": ("test_bench_run", "test_long_chains_bench", "test_sequence_parallel", "test_train_distributed",
                   "test_train_sequence_parallel"),
+    "decoupled_served": ("test_decoupled_served",),
+    "learning_check": ("test_learning_check",),
     "smollm2": ("test_smollm2",),
     "vllm_sampler": ("test_vllm_sampler",),
 }  # fmt: skip
@@ -121,3 +124,22 @@ def _seed(request):
     seed = zlib.crc32(request.node.nodeid.encode()) + int(os.environ.get("GRPO_TEST_SEED", "0"))
     torch.manual_seed(seed)
     yield
+
+
+# GRPO_TEST_TIMELINE=<file>: one line per test appended to <file> (worker, start and end on the wall clock, setup and
+# teardown included, node id), to see how `make test`'s workers spend the suite: `python -m benchmarks.suite_timeline
+# <file>`.
+_TIMELINE = os.environ.get("GRPO_TEST_TIMELINE")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _TIMELINE:
+        yield
+        return
+    import time
+
+    start = time.time()
+    yield
+    with open(_TIMELINE, "a") as f:
+        f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}\t{start:.3f}\t{time.time():.3f}\t{item.nodeid}\n")

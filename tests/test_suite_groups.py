@@ -44,6 +44,21 @@ def test_collected_tests_carry_their_modules_group(request):
     assert [[m.args for m in i.marks] for i in items] == [[("smollm2",)], [("processes",)], [], []]
 
 
+def test_the_suite_timeline_reads_what_the_hook_writes_and_reports_each_workers_idle_tail(tmp_path):
+    from benchmarks import suite_timeline
+
+    path = tmp_path / "timeline.tsv"
+    path.write_text("gw0\t100.0\t110.0\ttests/test_a.py::t1\n"
+                    "gw1\t100.5\t130.0\ttests/test_b.py::t2@processes\n"
+                    "gw0\t110.0\t112.5\ttests/test_b.py::t3@processes\n")  # fmt: skip
+    text = suite_timeline.summary(suite_timeline.read(path))
+    assert "3 tests, 30 s from the first start to the last end" in text
+    assert "| gw0 | 2 | 12 | 0 | 12 | 18 |" in text  # idle for the last 17.5 s while gw1 ran
+    assert "| gw1 | 1 | 30 | 0 | 30 | 0 |" in text
+    assert "processes: 2 tests, 32 s, from 0 s to 30 s" in text
+    assert text.index("29.5 s") < text.index("10.0 s")  # slowest first
+
+
 @triton.jit
 def _twice(x):
     return x * 2.0

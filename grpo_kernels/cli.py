@@ -101,8 +101,6 @@ def main(argv: list[str] | None = None) -> None:
         demo(args)
     elif args.command == "train":
         from .train.config import load_config
-        from .train.rollout_server import RolloutServerError
-        from .train.trainer import train
 
         if args.help_config is not None:
             from .train.config_io import describe
@@ -119,8 +117,14 @@ def main(argv: list[str] | None = None) -> None:
                 config = load_config(f"{args.resume}/config.toml", [*overrides, f"--checkpoint.resume={args.resume}"])
             else:
                 config = load_config(args.config, overrides)
+        except (ValueError, NotImplementedError) as exc:  # one clear line, non-zero exit, before the heavy imports
+            raise SystemExit(f"grpo-kernels train: error: {exc}") from None
+        from .train.rollout_server import RolloutServerError
+        from .train.trainer import train
+
+        try:
             train(config)
-        except (ValueError, NotImplementedError, RolloutServerError) as exc:  # one clear line, non-zero exit
+        except (ValueError, NotImplementedError, RolloutServerError) as exc:
             raise SystemExit(f"grpo-kernels train: error: {exc}") from None
     elif args.command == "serve-rollout":
         if overrides:

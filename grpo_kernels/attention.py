@@ -148,10 +148,13 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, causal=True, scale=None
     pieces = []
     bounds = cu_seqlens.tolist()
     cut = _Cuts((q, k, v), bounds)
-    for s, e in zip(bounds[:-1], bounds[1:], strict=True):
-        if e > s:
-            pos = torch.arange(e - s, device=q.device)
-            pieces.append((s, _attend(*cut(s, e), pos, pos, math=backend == "math", **opts)))
+    spans = [(s, e) for s, e in zip(bounds[:-1], bounds[1:], strict=True) if e > s]
+    if backend == "sdpa" and not features:  # plain attention: SDPA once per sequence length, not per sequence
+        outs = _sdpa_by_length([cut(s, e) for s, e in spans], scale, causal=causal)
+        return _assemble([(s, out) for (s, _), out in zip(spans, outs, strict=True)], q)
+    for s, e in spans:
+        pos = torch.arange(e - s, device=q.device)
+        pieces.append((s, _attend(*cut(s, e), pos, pos, math=backend == "math", **opts)))
     return _assemble(pieces, q)
 
 
@@ -221,6 +224,28 @@ def _sdpa(q, k, v, scale, *, causal=False, mask=None):
     return out[0].transpose(0, 1)
 
 
+def _sdpa_by_length(calls, scale, *, causal):
+    """SDPA of each (q, k, v) of calls ([L, H, D] each, q and k of one length), returned in order: the calls of one
+    length stacked into one batched SDPA. A packed GRPO batch holds many sequences of few distinct lengths (a group's
+    prompt is one length, short completions few), and on CPU one SDPA per sequence cost more in per-call overhead
+    than in arithmetic (the tiny model's attention took 2x as long). Each batch row is computed as it would be
+    alone: the outputs and gradients equal one call per sequence bit for bit on CPU (tests/test_attention.py)."""
+    by_length = {}
+    for i, (cq, ck, _) in enumerate(calls):
+        by_length.setdefault((cq.shape[0], ck.shape[0]), []).append(i)
+    outs = [None] * len(calls)
+    for index in by_length.values():
+        if len(index) == 1:
+            outs[index[0]] = _sdpa(*calls[index[0]], scale, causal=causal)
+            continue
+        qb, kb, vb = (torch.stack([calls[i][j] for i in index]).transpose(1, 2) for j in range(3))  # [B, H, L, D]
+        out = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=causal, scale=scale,
+                                                               enable_gqa=qb.shape[1] != kb.shape[1])  # fmt: skip
+        for i, rows in zip(index, out.transpose(1, 2).unbind(0), strict=True):  # unbind: one stack in the backward
+            outs[i] = rows
+    return outs
+
+
 def _math(q, k, v, scale, *, causal, mask, sinks, softcap):
     """Explicit scores in fp32 (transformers' eager attention): scale, soft-cap, mask, softmax with sinks, @ v."""
     heads, rep = q.shape[1], q.shape[1] // k.shape[1]
@@ -249,20 +274,33 @@ def _shared_prefix_attention(q, k, v, prefix_groups, *, causal, math, **opts):
     plain = not math and all(opts[name] is None for name in ("window", "sinks", "softcap"))
     pieces = []
     cut = _Cuts((q, k, v), [x for p0, p1, cs in prefix_groups for x in (p0, p1, *(b for c in cs for b in c))])
+    if plain:  # every completion's call, batched by length
+        calls, owners = [], []
+        for g, (p0, p1, completions) in enumerate(prefix_groups):
+            pq, pk, pv = cut(p0, p1)
+            for s, e in completions:
+                if e > s:
+                    cq, ck, cv = cut(s, e)
+                    calls.append((torch.cat([pq, cq]), torch.cat([pk, ck]), torch.cat([pv, cv])))
+                    owners.append((g, s))
+        done = set()
+        for (g, s), both in zip(owners, _sdpa_by_length(calls, opts["scale"], causal=True), strict=True):
+            p0, p1, _ = prefix_groups[g]
+            if g not in done:  # the prompt's rows of its first completion's call are the prompt's own output
+                done.add(g)
+                if p1 > p0:
+                    pieces.append((p0, both[: p1 - p0]))
+            pieces.append((s, both[p1 - p0 :]))
+        prefix_groups = [x for g, x in enumerate(prefix_groups) if g not in done]  # no completion: the prompt below
     for p0, p1, completions in prefix_groups:
         prompt_pos = torch.arange(p1 - p0, device=q.device)
         prompt_out = None
         pq, pk, pv = cut(p0, p1)
         for s, e in completions:
-            if e == s:
+            if e == s or plain:
                 continue
             cq, ck, cv = cut(s, e)
             kk, vv = torch.cat([pk, ck]), torch.cat([pv, cv])
-            if plain:
-                both = _sdpa(torch.cat([pq, cq]), kk, vv, opts["scale"], causal=True)
-                prompt_out = both[: p1 - p0] if prompt_out is None else prompt_out
-                pieces.append((s, both[p1 - p0 :]))
-                continue
             own_pos = torch.arange(p1 - p0, p1 - p0 + e - s, device=q.device)
             pieces.append((s, _attend(cq, kk, vv, own_pos, torch.cat([prompt_pos, own_pos]), causal=True,
                                       math=math, **opts)))  # fmt: skip

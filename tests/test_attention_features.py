@@ -136,6 +136,41 @@ def test_per_sequence_cpu_path_cuts_its_inputs_once_and_matches_dense(shared_pre
         varlen_attention(q, k, v, torch.tensor([0, t + 3]), t + 3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shared_prefix", [False, True])
+def test_sdpa_batched_by_length_equals_one_call_per_sequence_bit_for_bit(shared_prefix, dtype):
+    """The CPU path stacks the sequences (or [prompt; completion] calls) of one length into one SDPA: outputs and
+    gradients are those of one SDPA per sequence, exactly (the learning check's calibrated runs rely on it)."""
+    from grpo_kernels.attention import _sdpa
+
+    g = torch.Generator().manual_seed(11)
+    lengths = [int(x) for x in torch.randint(1, 6, (48,), generator=g)]  # many repeats: batches of up to ~12
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    t = int(cu[-1])
+    q, k, v = (torch.randn(t, h, 16, generator=g).to(dtype).requires_grad_() for h in (4, 2, 2))
+    spans = [(int(cu[i]), int(cu[i + 1])) for i in range(48)]
+    if shared_prefix:  # sequence 0 of each 4 is a prompt, 1-3 its completions
+        groups = [(*spans[i], tuple(spans[i + 1 : i + 4])) for i in range(0, 48, 4)]
+        out = varlen_attention(q, k, v, cu, max(lengths), prefix_groups=groups)
+        pieces = []
+        for p0, p1, completions in groups:
+            for j, (s, e) in enumerate(completions):
+                both = _sdpa(torch.cat([q[p0:p1], q[s:e]]), torch.cat([k[p0:p1], k[s:e]]),
+                             torch.cat([v[p0:p1], v[s:e]]), None, causal=True)  # fmt: skip
+                pieces += [both[: p1 - p0]] if j == 0 else []
+                pieces.append(both[p1 - p0 :])
+        want = torch.cat(pieces)
+    else:
+        out = varlen_attention(q, k, v, cu, max(lengths), backend="sdpa")
+        want = torch.cat([_sdpa(q[s:e], k[s:e], v[s:e], None, causal=True) for s, e in spans])
+    assert torch.equal(out, want)
+    weight = torch.randn(out.shape, generator=g).to(dtype)
+    grads = torch.autograd.grad((out.float() * weight).sum(), (q, k, v))
+    wants = torch.autograd.grad((want.float() * weight).sum(), (q, k, v))
+    for a, b in zip(grads, wants, strict=True):
+        assert torch.equal(a, b)
+
+
 # Tiny configs of the decoders transformers ships with windowed, sink or soft-capped attention (and plain ones):
 # window 8 against sequences of up to 34 tokens.
 ARCHITECTURES = {

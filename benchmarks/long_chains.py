@@ -181,7 +181,7 @@ def _inputs(spec: dict, vocab: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     fill = next(i for i in range(vocab) if i not in set(special))
     completions = []
-    for n in lengths_of(point, seed):
+    for n in spec.get("lengths") or lengths_of(point, seed):
         ids = torch.randint(0, vocab, (n,), generator=g)
         for s in special:
             ids[ids == s] = fill
@@ -237,15 +237,20 @@ def _trl_step(spec: dict, model_dir: str) -> dict:
               "num_items_in_batch": mask.sum()}  # fmt: skip
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
 
+    # rows per micro-batch: spec "micro_rows" (long_chains_best), one for the longest sweep, else the whole step. As
+    # in TRL, a micro-batch is a slice of the step's padded batch (padded to the step's longest completion) and each
+    # micro-batch's loss is normalized by the whole step's tokens (num_items_in_batch), so their gradients add up.
+    micro = spec.get("micro_rows") or (1 if point["sweep"] == "longest" else b)
+
     def step(batch):
         optimizer.zero_grad(set_to_none=True)
-        if point["sweep"] == "longest" and batch["completion_ids"].shape[0] == b:  # one completion per micro-batch
+        if batch["completion_ids"].shape[0] == b and micro < b:
             total = 0.0
-            for i in range(b):
-                one = trainer.compute_loss(model, {k: v[i : i + 1] if k != "num_items_in_batch" else v
-                                                   for k, v in batch.items()})  # fmt: skip
-                one.backward()
-                total += float(one)
+            for i in range(0, b, micro):
+                part = trainer.compute_loss(model, {k: v[i : i + micro] if k != "num_items_in_batch" else v
+                                                    for k, v in batch.items()})  # fmt: skip
+                part.backward()
+                total += float(part)
             optimizer.step()
             return torch.tensor(total)
         loss = trainer.compute_loss(model, batch)
@@ -264,7 +269,7 @@ def _trl_step(spec: dict, model_dir: str) -> dict:
     if packing:  # one packed row: each prompt once, the completions without pads
         computed = point["prompts"] * prompt.numel() + sum(c.numel() for c in completions)
     return dict(step_s=elapsed, real_tokens=real, computed_tokens=computed, pad_tokens=max(computed - real, 0),
-                base_rss_mb=base, loss=float(loss))  # fmt: skip
+                base_rss_mb=base, loss=float(loss), micro_batches=-(-b // micro))  # fmt: skip
 
 
 def _gk_step(spec: dict, model_dir: str) -> dict:
@@ -297,6 +302,7 @@ def _gk_step(spec: dict, model_dir: str) -> dict:
     budget = -(-packed // sp)  # one micro-batch holds the whole step, as in the TRL providers
     if point["sweep"] == "longest":  # one completion (and its prompt) per micro-batch
         budget = -(-(prompt.numel() + point["max_len"]) // sp)
+    budget = spec.get("token_budget") or budget  # long_chains_best: each rank's budget, chosen by its search
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
     kw = {} if d is None else {"dist": d}
 
@@ -312,8 +318,9 @@ def _gk_step(spec: dict, model_dir: str) -> dict:
     metrics = step(rollout, budget)
     elapsed = time.perf_counter() - start
     pad = budget * sp - packed
-    return dict(step_s=elapsed, real_tokens=real, computed_tokens=packed + pad, pad_tokens=pad, base_rss_mb=base,
-                loss=metrics["loss"], rank=0 if d is None else d.rank)  # fmt: skip
+    return dict(step_s=elapsed, real_tokens=real, computed_tokens=packed + max(pad, 0), pad_tokens=max(pad, 0),
+                base_rss_mb=base, loss=metrics["loss"], rank=0 if d is None else d.rank,
+                micro_batches=metrics["micro_batches"])  # fmt: skip
 
 
 def worker(spec: dict) -> None:
@@ -345,14 +352,14 @@ def sp_size(model_dir: str) -> int:
 
 
 def measure(provider: str, point: dict, *, model_dir: str, cap_mb: float, scratch: str, timeout: float,
-            mmap_threshold: int = 0) -> dict:  # fmt: skip
+            mmap_threshold: int = 0, extra: dict | None = None) -> dict:  # fmt: skip
     """Run one (provider, point) in a fresh process (N for gk_sp); the row's measured fields and status.
     mmap_threshold > 0: glibc's MALLOC_MMAP_THRESHOLD_ for the worker (blocks from that size on are mapped and
     returned to the system when freed); 0: glibc's default (a threshold that rises to 32 MiB as blocks are freed)."""
     sp = sp_size(model_dir) if provider == "gk_sp" else 1
     prompt, special = prompt_ids(model_dir)
     spec = dict(provider=provider, point=point, model_dir=model_dir, cap_mb=cap_mb, scratch=scratch, sp=sp,
-                threads=1 if sp > 1 else 2, prompt_ids=prompt, special_ids=special)  # fmt: skip
+                threads=1 if sp > 1 else 2, prompt_ids=prompt, special_ids=special, **(extra or {}))  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = str(spec["threads"])
     env.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -129,3 +129,86 @@ def test_the_longest_sweep_trains_one_completion_per_micro_batch(tmp_path):
                                                                           ("gk_blocks", "16", "ok")]  # fmt: skip
     assert "gk_blocks   longest single chain: 16 tokens (the --longest-limit 16)" in stdout
     assert "| gk_blocks | 16 |" in (tmp_path / "memory_model.md").read_text()
+
+
+# benchmarks/long_chains_best.py: the realistic step at each provider's best micro-batching.
+
+
+def test_best_search_stops_after_the_fastest_fitting_micro_batching():
+    from benchmarks.long_chains_best import search
+
+    def fake(table):
+        asked = []
+
+        def measure(k):
+            asked.append(k)
+            status, step_s = table[k]
+            return {"k": k, "status": status, "step_s": step_s}
+
+        return measure, asked
+
+    measure, asked = fake({1: ("over_cap", None), 2: ("ok", 10.0), 4: ("ok", 9.0), 8: ("ok", 9.5), 16: ("ok", 1.0)})
+    assert [r["k"] for r in search(measure, 16)] == asked == [1, 2, 4, 8]  # 8 is slower than 4: 4 is the best
+    measure, asked = fake({1: ("ok", 5.0), 2: ("over_cap", None), 4: ("ok", 1.0)})
+    search(measure, 4)
+    assert asked == [1, 2]  # fitted at 1, the next did not: stop
+    measure, asked = fake({1: ("over_cap", None), 2: ("over_cap", None)})
+    assert [r["status"] for r in search(measure, 2)] == ["over_cap", "over_cap"]  # none fits: every k up to n tried
+
+
+def test_best_lengths_are_seeded_in_range_and_follow_their_distribution():
+    from benchmarks.long_chains_best import lengths, points
+
+    uniform, tail = (p for p in points(False) if p["group_size"] == 16)
+    for point in (uniform, tail):
+        drawn = lengths(point)
+        assert drawn == lengths(point) and len(drawn) == 64 and all(500 <= n <= 8000 for n in drawn)
+    assert lengths(uniform) != lengths(tail)
+    many = [n for seed in range(40) for n in lengths(tail, seed)]
+    median = sorted(many)[len(many) // 2]
+    assert 1300 < median < 1700 and 0.005 < sum(n == 8000 for n in many) / len(many) < 0.08  # the stated tail
+    many = [n for seed in range(40) for n in lengths(uniform, seed)]
+    assert 2450 < sum(many) / len(many) < 2950  # log-uniform mean (8000 - 500) / ln 16 = 2705
+
+
+def test_best_report_takes_each_providers_fastest_fitting_row_against_trls(tmp_path):
+    from benchmarks.long_chains_best import COLUMNS, report
+
+    def row(provider, k, status, step_s="", peak=""):
+        return {c: "" for c in COLUMNS} | dict(provider=provider, dist="loguniform", group_size=8, prompts=4, k=k,
+                                                micro_batches=k, status=status, step_s=step_s, peak_rss_mb=peak,
+                                                computed_tokens=100, pad_tokens=50 if provider == "trl_ckpt" else 0,
+                                                load_before=0.1)  # fmt: skip
+
+    path = tmp_path / "best.csv"
+    rows = [row("trl_ckpt", 1, "over_cap"), row("trl_ckpt", 2, "ok", 100, 8000), row("trl_ckpt", 4, "ok", 110, 6000),
+            row("gk_blocks", 1, "ok", 70, 4000), row("gk_blocks", 2, "ok", 75, 3000), row("gk_sp", 1, "over_cap")]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    text = report(path).read_text()
+    assert "| loguniform | 8 x 4 | trl_ckpt | 2 | 2 | 100.0 | 8000 | 1.00x | 1.00x | 50% | 0.1 |" in text
+    assert "| loguniform | 8 x 4 | gk_blocks | 1 | 1 | 70.0 | 4000 | 0.70x | 0.50x | 0% | 0.1 |" in text
+    assert "| loguniform | 8 x 4 | gk_sp | - | - | - | - | - | - | - | over_cap |" in text
+
+
+@pytest.mark.slow
+def test_trl_micro_batches_are_slices_of_the_padded_step_and_train_in_one_process(tmp_path):
+    """One real measurement of the micro-batched TRL provider on the tiny model: 4 completions, one per micro-batch
+    (per_device_train_batch_size 1, gradient accumulation over 4), each padded to the step's longest."""
+    sys.path.insert(0, str(SCRIPT.parent.parent))
+    try:
+        from benchmarks import long_chains as lc
+        from grpo_kernels.train.hf_model import write_tiny_checkpoint
+    finally:
+        sys.path.remove(str(SCRIPT.parent.parent))
+    model = str(write_tiny_checkpoint(tmp_path / "model"))
+    point = dict(sweep="best", dist="loguniform", group_size=2, prompts=2, min_len=16, max_len=64)
+    drawn = [64, 20, 33, 16]
+    row = lc.measure("trl_ckpt", point, model_dir=model, cap_mb=4096, scratch=str(tmp_path), timeout=300,
+                     extra={"micro_rows": 1, "lengths": drawn})  # fmt: skip
+    assert row["status"] == "ok", row
+    assert row["micro_batches"] == 4 and row["step_s"] > 0
+    prompt = len(lc.prompt_ids(model)[0])
+    assert row["computed_tokens"] == 4 * (prompt + 64) and row["real_tokens"] == 4 * prompt + sum(drawn)

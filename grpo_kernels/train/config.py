@@ -450,9 +450,10 @@ class LoggingConfig:
     """Log metrics every this many steps."""
     report_to: tuple[str, ...] = ()
     """Experiment trackers, TRL's names: any of "tensorboard" (<run_dir>/tensorboard), "wandb" (offline with
-    WANDB_MODE=offline), "trackio"; "none" or empty = none. Metrics under TRL GRPOTrainer's names where the quantity is
-    the same, against train/global_step (grpo_kernels.train.tracking). Each needs its package: pip install
-    'grpo-kernels[wandb]' (or [tensorboard], [trackio]). On the command line: --logging.report_to=tensorboard,wandb."""
+    WANDB_MODE=offline), "trackio"; "all" = those installed; "none" or empty = none. Metrics under TRL GRPOTrainer's
+    names where the quantity is the same, against train/global_step (grpo_kernels.train.tracking). Each needs its
+    package: pip install 'grpo-kernels[wandb]' (or [tensorboard], [trackio]). On the command line:
+    --logging.report_to=tensorboard,wandb."""
     project: str = "grpo-kernels"
     """The W&B / Trackio project of the run."""
     run_name: str | None = None

@@ -1,4 +1,5 @@
-"""Experiment tracking as TRL users know it: `logging.report_to = ["tensorboard", "wandb", "trackio"]`.
+"""Experiment tracking as TRL users know it: `logging.report_to = ["tensorboard", "wandb", "trackio"]` (or "all":
+those installed).
 
     trackers = Trackers.start(config, run_dir, resume=False)   # on the main rank; None when report_to is empty
     trackers.log(step_metrics, step)                            # every metrics line
@@ -50,8 +51,20 @@ _NOT_LOGGED = ("step",)  # the x axis, logged as train/global_step
 
 
 def checked_report_to(report_to: tuple, tensorboard: bool) -> tuple:
-    """logging.report_to without "none", with "tensorboard" added when the logging.tensorboard alias is on; an
-    unknown tracker, one named twice or one beside "none" is a ValueError."""
+    """logging.report_to without "none", with "tensorboard" added when the logging.tensorboard alias is on; "all"
+    (alone, as in transformers) is every tracker whose package is installed, resolved here, so that the run's saved
+    config (and a resumed run) names them; an unknown tracker, one named twice or one beside "none" or "all" is a
+    ValueError."""
+    if "all" in report_to:
+        if len(report_to) > 1:
+            raise ValueError(f'logging.report_to: "all" stands alone (every installed tracker), got {list(report_to)}')
+        report_to = tuple(n for n in REPORT_TO if _installed(n))
+        if not report_to:
+            import warnings
+
+            warnings.warn('logging.report_to = "all": none of tensorboard, wandb, trackio is installed, nothing will '
+                          "be tracked (pip install 'grpo-kernels[tensorboard]', or [wandb], [trackio])",
+                          stacklevel=2)  # fmt: skip
     names = tuple(n for n in report_to if n != "none")
     for n in names:
         if n not in REPORT_TO:
@@ -62,17 +75,20 @@ def checked_report_to(report_to: tuple, tensorboard: bool) -> tuple:
     return names + ("tensorboard",) if tensorboard and "tensorboard" not in names else names
 
 
-def check_installed(report_to) -> None:
-    """Each tracker of report_to importable, else a ValueError naming the extra to install."""
+def _installed(name: str) -> bool:
     import importlib.util
 
+    try:
+        return importlib.util.find_spec(name) is not None and (
+            name != "tensorboard" or importlib.util.find_spec("torch.utils.tensorboard") is not None)
+    except ImportError:
+        return False
+
+
+def check_installed(report_to) -> None:
+    """Each tracker of report_to importable, else a ValueError naming the extra to install."""
     for name in report_to:
-        try:
-            found = importlib.util.find_spec(name) is not None and (
-                name != "tensorboard" or importlib.util.find_spec("torch.utils.tensorboard") is not None)
-        except ImportError:
-            found = False
-        if not found:
+        if not _installed(name):
             raise ValueError(f'logging.report_to names "{name}", which needs the {name} package: '
                              f"pip install 'grpo-kernels[{name}]'")  # fmt: skip
 

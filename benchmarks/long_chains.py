@@ -413,22 +413,26 @@ def _key(row) -> tuple:
             str(row["max_len"]))  # fmt: skip
 
 
-def run(args) -> Path:
-    from benchmarks.common import run_meta
-
-    quick = args.quick
+def model_and_scratch(quick: bool, model: str) -> tuple[str, str, str]:
+    """(model directory, its name in the CSV, scratch directory): --quick writes the tiny model into a fresh
+    temporary directory (removed at the end of the run), else the known model or HF directory, scratch under OUT."""
     if quick:
         import tempfile
 
         from grpo_kernels.train.hf_model import write_tiny_checkpoint
 
         scratch = tempfile.mkdtemp(prefix="long-chains-")
-        model_dir, model_name = str(write_tiny_checkpoint(Path(scratch) / "model")), "tiny"
-    else:
-        from grpo_kernels.train.models import resolve_model
+        return str(write_tiny_checkpoint(Path(scratch) / "model")), "tiny", scratch
+    from grpo_kernels.train.models import resolve_model
 
-        scratch = str(OUT / "scratch")
-        model_dir, model_name = str(resolve_model(args.model) or args.model), Path(args.model).name
+    return str(resolve_model(model) or model), Path(model).name, str(OUT / "scratch")
+
+
+def run(args) -> Path:
+    from benchmarks.common import run_meta
+
+    quick = args.quick
+    model_dir, model_name, scratch = model_and_scratch(quick, args.model)
     csv_path = args.csv or OUT / f"long_chains_{model_name}.csv"
     previous = _csv_rows(csv_path)
     done = {_key(r): r for r in previous}
@@ -486,11 +490,11 @@ def run(args) -> Path:
     return csv_path
 
 
-def _append(path: Path, row: dict) -> None:
+def _append(path: Path, row: dict, columns: list = COLUMNS) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists()
     with path.open("a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         if new:
             w.writeheader()
         w.writerow(row)

@@ -34,7 +34,6 @@ peak), with the 1-minute load before each measurement (a row measured beside oth
 """
 
 import argparse
-import csv
 import functools
 import math
 import os
@@ -140,31 +139,10 @@ def report(csv_path: Path) -> Path:
     return path
 
 
-def _append(path: Path, row: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-        if new:
-            writer.writeheader()
-        writer.writerow(row)
-
-
 def run(args) -> Path:
     from benchmarks.common import run_meta
 
-    if args.quick:
-        import tempfile
-
-        from grpo_kernels.train.hf_model import write_tiny_checkpoint
-
-        scratch = tempfile.mkdtemp(prefix="long-chains-best-")
-        model_dir, model_name = str(write_tiny_checkpoint(Path(scratch) / "model")), "tiny"
-    else:
-        from grpo_kernels.train.models import resolve_model
-
-        scratch = str(OUT / "scratch")
-        model_dir, model_name = str(resolve_model(args.model) or args.model), Path(args.model).name
+    model_dir, model_name, scratch = lc.model_and_scratch(args.quick, args.model)
     csv_path = args.csv or OUT / f"long_chains_best_{model_name}.csv"
     done = {_key(r): r for r in lc._csv_rows(csv_path)}
     meta = run_meta("cpu")
@@ -215,7 +193,7 @@ def measure_k(ctx: dict, provider: str, ranks: int, k: int) -> dict:
     if row["status"] == "ok":
         row["step_s"], row["peak_rss_mb"], row["base_rss_mb"] = (round(row["step_s"], 2), round(row["peak_rss_mb"]),
                                                                  round(row["base_rss_mb"]))  # fmt: skip
-    _append(ctx["csv_path"], row)
+    lc._append(ctx["csv_path"], row, COLUMNS)
     ctx["done"][_key(row)] = row
     return row
 

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 
 import pytest
 from test_decoupled import _require_vllm, _serve_by_hand, _train
@@ -25,7 +26,11 @@ def served(tmp_path_factory):
     server, url = _serve_by_hand(config, root / "model")
     yield config, url
     os.killpg(server.pid, signal.SIGTERM)
-    server.wait(60)
+    try:
+        server.wait(60)
+    except subprocess.TimeoutExpired:  # do not leave it to the rest of the suite
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(30)
 
 
 def test_decoupled_k0_on_a_server_started_by_hand_samples_and_trains_exactly_as_the_colocated_sampler(

@@ -55,16 +55,33 @@ def trl_refusal(config) -> str | None:
     return next((why for bad, why in checks if bad), None)
 
 
-def grpo_config(config, run_dir: Path):
-    """trl.GRPOConfig of the run, every option read from config."""
+def checked_micro_rows(config, micro_rows: int | None) -> int:
+    """TRL's micro-batch rows for this run (None: the whole step); one that does not split the step into whole groups
+    is refused in one line."""
+    s = config.sampling
+    rows = s.prompts_per_step * s.group_size
+    if micro_rows is None:
+        return rows
+    if micro_rows <= 0 or rows % micro_rows or micro_rows % s.group_size:
+        raise SystemExit(f"learning-vs-trl: --trl-micro-rows {micro_rows} does not split a step's {rows} rows into "
+                         f"micro-batches of whole groups of {s.group_size}")  # fmt: skip
+    return micro_rows
+
+
+def grpo_config(config, run_dir: Path, micro_rows: int | None = None):
+    """trl.GRPOConfig of the run, every option read from config. micro_rows: TRL's per_device_train_batch_size, the
+    step's rows in micro-batches of that many with gradient accumulation over them (TRL generates the whole step at
+    once and normalizes the loss over all of it: the same update in a fraction of the activation memory); None: the
+    whole step in one."""
     import trl
 
     s, o, loss = config.sampling, config.optim, config.loss
+    rows, micro_rows = s.prompts_per_step * s.group_size, checked_micro_rows(config, micro_rows)
     return trl.GRPOConfig(
         output_dir=str(run_dir / "trl"), seed=config.seed, use_cpu=True, bf16=False, report_to="none",
         disable_tqdm=True, logging_steps=1, save_strategy="steps", save_steps=config.checkpoint.every or o.steps,
-        save_total_limit=1, max_steps=o.steps, per_device_train_batch_size=s.prompts_per_step * s.group_size,
-        gradient_accumulation_steps=1, num_generations=s.group_size, shuffle_dataset=False,
+        save_total_limit=1, max_steps=o.steps, per_device_train_batch_size=micro_rows,
+        gradient_accumulation_steps=rows // micro_rows, num_generations=s.group_size, shuffle_dataset=False,
         max_completion_length=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=0,
         repetition_penalty=1.0, mask_truncated_completions=s.mask_truncated_completions,
         learning_rate=o.lr, adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_epsilon=1e-8,
@@ -115,7 +132,7 @@ def seeded_draw(trainer, config) -> None:
     model.generate, trainer._generate_single_turn = drawn, flagged
 
 
-def run(run_dir: Path, overrides: list[str], draw: str = "hf") -> dict:
+def run(run_dir: Path, overrides: list[str], draw: str = "hf", micro_rows: int | None = None) -> dict:
     import torch
     import transformers
     import trl
@@ -160,7 +177,7 @@ def run(run_dir: Path, overrides: list[str], draw: str = "hf") -> dict:
                                                                                        strict=True)]  # fmt: skip
 
     reward.__name__ = f"{task.name}_reward"
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=grpo_config(config, run_dir),
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=grpo_config(config, run_dir, micro_rows),
                               train_dataset=dataset, processing_class=tok.tokenizer)  # fmt: skip
     theirs = trainer._tokenize_prompts([messages(e) for e in stream])[0]
     ours = [tok.encode_prompt(e.prompt) for e in stream]
@@ -186,6 +203,11 @@ def _train(trainer, config, run_dir, sampler, tok, task, eval_set, evaluate, mis
     if resume is not None:
         state = json.loads((resume / STATE).read_text())
         totals, start_eval, done = state["totals"], state["eval_success_start"], state["step"]
+        started = state.get("micro_rows", s.prompts_per_step * s.group_size)  # before the option: the whole step
+        micro = trainer.args.per_device_train_batch_size
+        if started != micro:
+            raise SystemExit(f"learning-vs-trl: {run_dir} was started with micro-batches of {started} rows, not "
+                             f"{micro}: resume it with the same --trl-micro-rows")  # fmt: skip
         for path in (metrics_path, eval_path):
             kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] < done]
             path.write_text("".join(line + "\n" for line in kept))
@@ -246,13 +268,14 @@ def _train(trainer, config, run_dir, sampler, tok, task, eval_set, evaluate, mis
 
         def on_save(self, args, state, control, **_):
             path = Path(args.output_dir) / f"checkpoint-{state.global_step}" / STATE
-            path.write_text(json.dumps({"step": state.global_step, "totals": totals,
-                                        "eval_success_start": start_eval}))  # fmt: skip
+            path.write_text(json.dumps({"step": state.global_step, "totals": totals, "eval_success_start": start_eval,
+                                        "micro_rows": args.per_device_train_batch_size}))  # fmt: skip
 
     trainer.add_callback(Bench())
     trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
     summary = {"eval_success_start": start_eval, "eval_success_end": last["success"], "eval_prompts": len(eval_set),
-               "steps": config.optim.steps, "group_size": s.group_size, **totals,
+               "steps": config.optim.steps, "group_size": s.group_size,
+               "trl_micro_rows": trainer.args.per_device_train_batch_size, **totals,
                "reward_text_mismatch": mismatched[0]}  # fmt: skip
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"held-out success after {config.optim.steps} steps: {last['success']:.3f} (was {start_eval:.3f})")
@@ -264,9 +287,11 @@ def main() -> None:
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--draw", choices=("hf", "ours"), default="hf",
                         help="the training rollouts' draw: HF's do_sample (TRL's own) or grpo-kernels' seeded one")
+    parser.add_argument("--micro-rows", type=int, help="TRL's per_device_train_batch_size (default: the whole step), "
+                        "gradient accumulation over the step's rest")
     parser.add_argument("overrides", nargs="*", help="the `grpo-kernels train` overrides of the run (after --)")
     args = parser.parse_args()
-    run(args.run_dir, args.overrides, args.draw)
+    run(args.run_dir, args.overrides, args.draw, args.micro_rows)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ loss types, held-out success every few steps evaluated by the same code.
 
     python -m benchmarks.learning_vs_trl [--trainers trl,grpo_kernels] [--loss-types dapo,grpo] [--seeds 0,1,2]
         [--format-weight W] [--steps 40] [--eval-every 4] [--eval-prompts 256] [--lr 2e-5] [--cpus 0,1]
-        [--workdir DIR]
+        [--trl-micro-rows N] [--workdir DIR]
     python -m benchmarks.learning_vs_trl --plot-only        # the report from the per-run files alone
     python -m benchmarks.learning_vs_trl --quick            # the smoke test: a tiny chat model, 2 steps
 
@@ -24,7 +24,8 @@ steps, for both.
 Every (trainer, loss type, seed) is one process, in --workdir (default ~/.cache/grpo-kernels/learning_vs_trl); with
 --cpus, as many run at once as CPUs are named, each pinned to its CPU with one thread, so both trainers are timed
 alike (mind the memory: a TRL run of the defaults reached ~12 GB of RSS, ours ~5 GB; two TRL runs at once were
-killed for memory on a 24 GB machine; process.json keeps each finished run's peak). Runs checkpoint every 8 steps
+killed for memory on a 24 GB machine; with --trl-micro-rows 8 a TRL run peaked at ~3.6 GB, the same update;
+process.json keeps each finished run's peak). Runs checkpoint every 8 steps
 and resume from there; a finished run (its files copied to the results) is not run again, nor one that another
 invocation is running (a lock file per run: several invocations, on other CPUs, may share the work); a run that dies
 is recorded (failed.txt with its log's tail) and the others go on.
@@ -79,7 +80,8 @@ def command(args, trainer: str, loss_type: str, seed: int, run_dir: Path) -> lis
     extra = overrides(args, trainer, loss_type, seed, run_dir)
     if trainer in ("trl", "trl_ourdraw"):
         return [sys.executable, "-m", "benchmarks.learning_trl_worker", "--run-dir", str(run_dir), "--draw",
-                "ours" if trainer == "trl_ourdraw" else "hf", "--", *extra]  # fmt: skip
+                "ours" if trainer == "trl_ourdraw" else "hf",
+                *(["--micro-rows", str(args.trl_micro_rows)] if args.trl_micro_rows else []), "--", *extra]  # fmt: skip
     module = "benchmarks.learning_hfdraw_worker" if trainer == "grpo_kernels_hfdraw" else "grpo_kernels.cli"
     cli = [sys.executable, "-m", module, "train"]
     if any((run_dir / "checkpoints").glob("step_*")):
@@ -254,11 +256,26 @@ def report(results: Path, args) -> list[Path]:
         w.writerows(rows)
     failed = sorted(p.parent.name for p in (results / "runs").glob("*/failed.txt"))
     lines = ["# Learning vs TRL: the same GRPO run in trl.GRPOTrainer and grpo-kernels train", "",
-             f"Command: `{command_line(args, rows)}`", "", *summary_lines(rows)]  # fmt: skip
+             f"Command: `{command_line(args, rows)}`", "", *micro_batch_lines(results),
+             *summary_lines(rows)]  # fmt: skip
     if failed:
         lines += ["## Runs that died", "", *[f"- {name}: see runs/{name}/failed.txt" for name in failed], ""]
     (results / "summary.md").write_text("\n".join(lines))
     return [results / "summary.md", results / "curves.csv", *(plot(results, rows) if rows else [])]
+
+
+def micro_batch_lines(results: Path) -> list[str]:
+    """Which TRL runs ran their step in micro-batches (--trl-micro-rows), when any did: the same update (tested),
+    other float summation order and memory."""
+    by_rows = {}
+    for path in sorted((results / "runs").glob("trl*_seed*/summary.json")):
+        by_rows.setdefault(json.loads(path.read_text()).get("trl_micro_rows"), []).append(path.parent.name)
+    if not any(rows is not None for rows in by_rows):
+        return []
+    parts = [f"{', '.join(names)}: {'the whole step in one' if rows is None else f'{rows} rows'}"
+             for rows, names in by_rows.items()]  # fmt: skip
+    return ["TRL's micro-batches (per_device_train_batch_size; gradient accumulation over the step, which TRL "
+            "generates and normalizes as a whole: the same update): " + "; ".join(parts) + ".", ""]
 
 
 def command_line(args, rows: list[dict]) -> str:
@@ -297,6 +314,9 @@ def main(argv=None) -> int:
         parser.add_argument("--" + key.replace("_", "-"), type=type(DEFAULTS[key]), default=DEFAULTS[key])
     parser.add_argument("--format-weight", type=float, help="arith's bare-integer bonus (task.format_weight; "
                         "default: the task's 0.2); give another --workdir and --results: the run names do not say it")
+    parser.add_argument("--trl-micro-rows", type=int, help="TRL's per_device_train_batch_size, gradient accumulation "
+                        "over the step's rest (default: the whole step in one; the same update, TRL generates and "
+                        "normalizes over the whole step: less memory, so two TRL runs fit at once)")
     parser.add_argument("--cpus", help="run this many at once, each pinned to one of these CPUs (e.g. 0,1)")
     parser.add_argument("--workdir", type=Path, help="default ~/.cache/grpo-kernels/learning_vs_trl")
     parser.add_argument("--results", type=Path, default=OUT)
@@ -327,7 +347,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"learning-vs-trl: --seeds {args.seeds!r}: e.g. 0,1,2 or 0-4") from None
         if args.cpus:
             cpu_numbers(args.cpus, "learning-vs-trl")  # before any run
-        from benchmarks.learning_trl_worker import trl_refusal
+        from benchmarks.learning_trl_worker import checked_micro_rows, trl_refusal
         from grpo_kernels.train.config_io import load_config
 
         jobs = [(t, loss, seed) for seed in seeds for loss in args.loss_types.split(",")
@@ -335,6 +355,8 @@ def main(argv=None) -> int:
         for t, loss, seed in jobs[: len(trainers) * len(args.loss_types.split(","))]:
             config = load_config(None, overrides(args, t, loss, seed, workdir / "check"))  # a bad setting: here
             refusal = trl_refusal(config) if t.startswith("trl") else None
+            if t.startswith("trl") and not refusal:
+                checked_micro_rows(config, args.trl_micro_rows)
             if refusal:
                 raise SystemExit(f"learning-vs-trl: TRL cannot run {refusal}")
         workdir.mkdir(parents=True, exist_ok=True)

@@ -92,6 +92,9 @@ def test_the_benchmark_refuses_bad_input_before_running(tmp_path):
         learning_vs_trl.main(["--trainers", "trl,verl", *common])
     with pytest.raises(SystemExit, match=r"TRL cannot run loss.loss_type = 'cispo'"):
         learning_vs_trl.main(["--loss-types", "cispo", *common])
+    with pytest.raises(SystemExit, match="--trl-micro-rows 12 does not split a step's 64 rows into micro-batches of "
+                       "whole groups of 8"):  # fmt: skip
+        learning_vs_trl.main(["--trainers", "trl", "--loss-types", "dapo", "--trl-micro-rows", "12", *common])
     assert not (tmp_path / "r").exists()  # nothing ran, nothing written
 
 
@@ -185,3 +188,51 @@ def test_our_trainer_with_hfs_draw_changes_the_training_draw_alone(tmp_path, mon
     assert len(hf) == len(seeded) == 8 and hf != seeded
     assert again == hf
     assert hf_eval[:8] == seeded_eval[:8]  # the evaluation before the first step: same weights, same draw
+
+
+@pytest.mark.slow
+def test_trl_in_micro_batches_makes_the_whole_steps_update(tmp_path, monkeypatch):
+    """--trl-micro-rows (TRL's per_device_train_batch_size with gradient accumulation over the step): TRL generates
+    the step at once and normalizes over all of it, so the first update is the one-micro-batch run's: the same loss
+    and gradient norm (float summation order apart). Loss dapo, the one whose normalizer spans the micro-batches
+    (grpo's is a plain mean over them). The reward is the completion's length mod 3 (the untrained
+    tiny model earns none of the task's), so that the groups carry a gradient."""
+    import types
+
+    from benchmarks import learning_trl_worker
+
+    task_examples = trainer_module.task_examples
+
+    def graded(config):
+        task, train_set, eval_set = task_examples(config)
+        task.reward = lambda text, example: (len(text) % 3) / 2
+        return task, train_set, eval_set
+
+    monkeypatch.setattr(trainer_module, "task_examples", graded)
+
+    args = types.SimpleNamespace(**{**learning_vs_trl.QUICK, "steps": 1, "format_weight": None})
+    args.model = str(learning_vs_trl.quick_model(tmp_path))
+    logged = {}
+    for micro in (None, 4):  # 2 prompts x G = 4: one micro-batch of 8 rows, or two of 4
+        run_dir = tmp_path / f"micro{micro}"
+        summary = learning_trl_worker.run(run_dir, learning_vs_trl.overrides(args, "trl", "dapo", 0, run_dir),
+                                          micro_rows=micro)  # fmt: skip
+        assert summary["trl_micro_rows"] == (micro or 8)
+        logged[micro] = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    whole, split = logged[None], logged[4]
+    assert whole["grad_norm"] > 0 and abs(whole["loss"]) > 0
+    assert split["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
+    assert split["loss"] == pytest.approx(whole["loss"], rel=1e-5, abs=1e-7)
+    assert split["reward"] == whole["reward"]  # the same rollouts: generated once per step, before the split
+
+
+def test_the_report_says_which_trl_runs_ran_in_micro_batches(tmp_path):
+    for name, summary in (("trl_dapo_seed3", {}), ("trl_dapo_seed4", {"trl_micro_rows": 8}),
+                          ("trl_dapo_seed0", {"trl_micro_rows": 8}), ("grpo_kernels_dapo_seed0", {})):  # fmt: skip
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "summary.json").write_text(json.dumps(summary))
+    line = learning_vs_trl.micro_batch_lines(tmp_path)[0]
+    assert line.endswith("): trl_dapo_seed0, trl_dapo_seed4: 8 rows; trl_dapo_seed3: the whole step in one.")
+    (tmp_path / "runs" / "trl_dapo_seed4" / "summary.json").write_text("{}")
+    (tmp_path / "runs" / "trl_dapo_seed0" / "summary.json").write_text("{}")
+    assert learning_vs_trl.micro_batch_lines(tmp_path) == []  # all whole-step runs: nothing to say

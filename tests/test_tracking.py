@@ -88,7 +88,8 @@ EXPECTED = {"reward": "train/reward", "reward_std": "train/reward_std", "invalid
             "train/frac_reward_zero_std", "entropy": "train/entropy", "completion_length":
             "train/completions/mean_length", "truncated_fraction": "train/completions/clipped_ratio", "lr":
             "train/learning_rate", "loss": "train/loss", "grad_norm": "train/grad_norm", "clip_ratio/region_mean":
-            "train/clip_ratio/region_mean", "packing_efficiency": "train/packing_efficiency"}  # fmt: skip
+            "train/clip_ratio/region_mean", "packing_efficiency": "train/packing_efficiency", "num_tokens":
+            "train/num_tokens"}  # fmt: skip
 
 
 def test_report_to_logs_trl_names_to_tensorboard_wandb_and_trackio_offline_and_resumes_the_same_run(tmp_path):
@@ -100,6 +101,11 @@ def test_report_to_logs_trl_names_to_tensorboard_wandb_and_trackio_offline_and_r
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1, 2] and min(m["reward_std"] for m in lines) > 0  # rewards vary
+    # num_tokens, cumulative as TRL's: each step adds its 16 rows' prompt ids ("a+b=", one length at difficulty 1)
+    # and its completion tokens
+    added = [m["num_tokens"] - before for m, before in zip(lines, [0] + [m["num_tokens"] for m in lines], strict=False)]
+    assert all(a > m["completion_tokens"] and (a - m["completion_tokens"]) % 16 == 0 for a, m in zip(added, lines,
+                                                                                                    strict=True))
     expected = {trl: {m["step"] + 1: m[ours] for m in lines} for ours, trl in EXPECTED.items()}
     expected_eval = {0: json.loads((run / "summary.json").read_text())["eval_success_start"],
                      **{e["step"] + 1: e["eval_success"] for e in evals}}  # fmt: skip
@@ -135,6 +141,8 @@ def test_report_to_logs_trl_names_to_tensorboard_wandb_and_trackio_offline_and_r
     assert len(runs) == 2 and {_wandb_run(Path(r))[0] for r in runs} == {run_id}
     again = _wandb_run(Path(next(r for r in runs if r != first)))[1]
     assert _series(again, "train/reward") == pytest.approx({3: expected["train/reward"][3]})
+    resumed = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["num_tokens"] for m in resumed] == [m["num_tokens"] for m in lines]  # the count is checkpointed
     stored = _trackio(tmp_path, "gk-test", "run")
     assert stored["runs"] == ["run"]
     assert [row["step"] for row in stored["logs"] if "train/reward" in row] == [1, 2, 3, 3]

@@ -13,7 +13,8 @@ step k (0-based, as metrics.jsonl counts) is logged at global step k + 1, and th
 GRPOTrainer also logs carry its names (`TRL_NAMES`): reward, reward_std (the unbiased std of the step's rewards),
 frac_reward_zero_std (the invalid-group rate: groups whose rewards are all equal), kl, entropy (the mean over the
 completion tokens, when the run computes it), clip_ratio/*, completions/mean_length, min_length, max_length and
-clipped_ratio (the truncated fraction), loss, grad_norm, learning_rate. Every other metric keeps this package's name
+clipped_ratio (the truncated fraction), loss, grad_norm, learning_rate, num_tokens (cumulative prompt + completion
+tokens of the rows trained on). Every other metric keeps this package's name
 (metrics.jsonl's). The run's configuration is logged as the run config (W&B, Trackio) or as text (TensorBoard).
 
 Offline: W&B writes under `<run_dir>/wandb` and syncs later when WANDB_MODE=offline (`wandb sync`); Trackio writes
@@ -46,6 +47,7 @@ TRL_NAMES = {  # this package's metric name -> TRL GRPOTrainer's, where the quan
     "loss": "loss",
     "grad_norm": "grad_norm",
     "lr": "learning_rate",
+    "num_tokens": "num_tokens",
 }
 _NOT_LOGGED = ("step",)  # the x axis, logged as train/global_step
 

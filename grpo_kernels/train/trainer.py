@@ -413,8 +413,10 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
         return all_gather_objects(rate, d)[0]
 
     # cumulative over the run (eval.jsonl reports them at every evaluation): completions and their tokens sampled
-    # (dynamic sampling's dropped groups and steps without an update included), seconds sampling, training, syncing
-    totals = {"completions_sampled": 0, "sampled_tokens": 0, "generate_s": 0.0, "train_s": 0.0, "sync_s": 0.0}
+    # (dynamic sampling's dropped groups and steps without an update included), seconds sampling, training, syncing;
+    # num_tokens: prompt + completion tokens of every row trained on (TRL's num_tokens, its num_input_tokens_seen)
+    totals = {"completions_sampled": 0, "sampled_tokens": 0, "generate_s": 0.0, "train_s": 0.0, "sync_s": 0.0,
+              "num_tokens": 0}  # fmt: skip
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, policy=policy, optimizer=optimizer, ref_policy=ref_policy, verify=False)
         first, elapsed = state["step"], state["elapsed_s"]
@@ -502,7 +504,8 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
             metrics = {**timing, **(sync_sampler(step + 1, changed=False) or {})}
             metrics.update(step=step, no_update=1, invalid_group_rate=1.0, lr=scheduler.get_last_lr()[0],
                            elapsed_s=time.perf_counter() - started, group_size=g, prompts_sampled=sampled,
-                           resample_rounds=rounds, completions_sampled=sampled * g, sampled_tokens=tokens)  # fmt: skip
+                           resample_rounds=rounds, completions_sampled=sampled * g, sampled_tokens=tokens,
+                           num_tokens=totals["num_tokens"])  # fmt: skip
             log_metrics(metrics)
             say(f"step {step:4d}  every sampled group was invalid: no update")
         else:
@@ -516,11 +519,14 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
             metrics.update(timing, **sync_sampler(step + 1), invalid_all_zero_rate=rollout.all_zero_fraction())
             totals["train_s"] += metrics["train_step_s"]
             totals["sync_s"] += metrics.get("weight_sync_s", 0.0)
+            totals["num_tokens"] += sum(len(p) + len(c) for p, c in zip(rollout.prompt_ids, rollout.completion_ids,
+                                                                        strict=True))  # fmt: skip
             if adaptive:
                 adaptive.update(metrics["invalid_group_rate"], rollout.pass_rates())
             metrics.update(step=step, lr=scheduler.get_last_lr()[0], elapsed_s=time.perf_counter() - started,
                            group_size=g, prompts_sampled=sampled, resample_rounds=rounds,
-                           completions_sampled=sampled * g, sampled_tokens=tokens)  # fmt: skip
+                           completions_sampled=sampled * g, sampled_tokens=tokens,
+                           num_tokens=totals["num_tokens"])  # fmt: skip
             log_metrics(metrics)
             if texts is not None and step % config.logging.completions_every == 0:
                 _write_completions(texts, step, rollout, tok)

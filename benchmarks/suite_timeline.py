@@ -4,8 +4,9 @@
     .venv/bin/python -m benchmarks.suite_timeline /tmp/t.tsv
 
 Per worker: busy seconds, first start, last end, and the idle time after its last test while another worker still
-ran (the tail a better order would remove); then the slowest tests and the xdist groups (the "@group" suffix) with
-their total seconds."""
+ran (the tail a better order would remove); then the slowest tests, the xdist groups (the "@group" suffix) with
+their total seconds, and the test files by CPU seconds (user + system of the worker and the processes it waited
+for, when the file records them: what a cut saves on a busy machine too, where wall seconds mislead)."""
 
 import argparse
 import sys
@@ -13,11 +14,12 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def read(path: Path) -> list[tuple[str, float, float, str]]:
+def read(path: Path) -> list[tuple[str, float, float, str, float | None]]:
+    """(worker, start, end, node id, CPU seconds or None) per test; files written before the CPU column read too."""
     rows = []
     for line in path.read_text().splitlines():
-        worker, start, end, node = line.split("\t")
-        rows.append((worker, float(start), float(end), node))
+        worker, start, end, node, *cpu = line.split("\t")
+        rows.append((worker, float(start), float(end), node, float(cpu[0]) if cpu else None))
     if not rows:
         raise SystemExit(f"suite-timeline: {path} has no tests")
     return rows
@@ -31,13 +33,14 @@ def summary(rows, top: int = 15) -> str:
     for r in rows:
         by_worker[r[0]].append(r)
     for worker, rs in sorted(by_worker.items()):
-        busy, first, last = sum(e - s for _, s, e, _ in rs), min(r[1] for r in rs), max(r[2] for r in rs)
+        busy, first, last = sum(r[2] - r[1] for r in rs), min(r[1] for r in rs), max(r[2] for r in rs)
         out.append(f"| {worker} | {len(rs)} | {busy:.0f} | {first - t0:.0f} | {last - t0:.0f} | {t1 - last:.0f} |")
     out += ["", f"Slowest {top}:", ""]
-    for worker, s, e, node in sorted(rows, key=lambda r: r[1] - r[2])[:top]:
-        out.append(f"  {e - s:7.1f} s  {worker}  starts at {s - t0:6.0f} s  {node}")
+    for worker, s, e, node, cpu in sorted(rows, key=lambda r: r[1] - r[2])[:top]:
+        used = "" if cpu is None else f"  ({cpu:.1f} s CPU)"
+        out.append(f"  {e - s:7.1f} s  {worker}  starts at {s - t0:6.0f} s  {node}{used}")
     groups = defaultdict(lambda: [0.0, 0, None, 0.0])
-    for _worker, s, e, node in rows:
+    for _worker, s, e, node, _cpu in rows:
         if "@" in node:
             g = groups[node.rsplit("@", 1)[1]]
             g[0] += e - s
@@ -48,6 +51,16 @@ def summary(rows, top: int = 15) -> str:
         out += ["", "Groups (one worker each):", ""]
         for name, (total, n, first, last) in sorted(groups.items(), key=lambda kv: -kv[1][0]):
             out.append(f"  {name}: {n} tests, {total:.0f} s, from {first:.0f} s to {last:.0f} s")
+    if all(r[4] is not None for r in rows):
+        files = defaultdict(lambda: [0.0, 0.0, 0])
+        for _worker, s, e, node, cpu in rows:
+            f = files[node.split("::", 1)[0]]
+            f[0], f[1], f[2] = f[0] + cpu, f[1] + e - s, f[2] + 1
+        total = sum(f[0] for f in files.values())
+        out += ["", f"Test files by CPU seconds (all: {total:.0f} s; top {top}):", "",
+                "| file | tests | CPU s | share | wall s |", "|---|---:|---:|---:|---:|"]
+        for name, (cpu, wall, n) in sorted(files.items(), key=lambda kv: -kv[1][0])[:top]:
+            out.append(f"| {name} | {n} | {cpu:.0f} | {cpu / total:.0%} | {wall:.0f} |")
     return "\n".join(out)
 
 

@@ -127,9 +127,18 @@ def _seed(request):
 
 
 # GRPO_TEST_TIMELINE=<file>: one line per test appended to <file> (worker, start and end on the wall clock, setup and
-# teardown included, node id), to see how `make test`'s workers spend the suite: `python -m benchmarks.suite_timeline
-# <file>`.
+# teardown included, node id, CPU seconds), to see how `make test`'s workers spend the suite: `python -m
+# benchmarks.suite_timeline <file>`. CPU seconds: user + system of the worker and of the processes it waited for
+# (theirs include their own waited-for children) during the test; on a busy machine they move far less than the wall
+# clock does.
 _TIMELINE = os.environ.get("GRPO_TEST_TIMELINE")
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))  # fmt: skip
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -139,7 +148,8 @@ def pytest_runtest_protocol(item, nextitem):
         return
     import time
 
-    start = time.time()
+    start, cpu = time.time(), _cpu_seconds()
     yield
     with open(_TIMELINE, "a") as f:
-        f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}\t{start:.3f}\t{time.time():.3f}\t{item.nodeid}\n")
+        f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}\t{start:.3f}\t{time.time():.3f}\t{item.nodeid}"
+                f"\t{_cpu_seconds() - cpu:.2f}\n")  # fmt: skip

@@ -57,6 +57,15 @@ def test_the_suite_timeline_reads_what_the_hook_writes_and_reports_each_workers_
     assert "| gw1 | 1 | 30 | 0 | 30 | 0 |" in text
     assert "processes: 2 tests, 32 s, from 0 s to 30 s" in text
     assert text.index("29.5 s") < text.index("10.0 s")  # slowest first
+    assert "CPU seconds" not in text  # a file without the CPU column: no CPU table
+
+    path.write_text("gw0\t100.0\t110.0\ttests/test_a.py::t1\t9.50\n"
+                    "gw1\t100.5\t130.0\ttests/test_b.py::t2@processes\t40.00\n"
+                    "gw0\t110.0\t112.5\ttests/test_b.py::t3@processes\t0.50\n")  # fmt: skip
+    text = suite_timeline.summary(suite_timeline.read(path))
+    assert "29.5 s  gw1  starts at      0 s  tests/test_b.py::t2@processes  (40.0 s CPU)" in text
+    assert "Test files by CPU seconds (all: 50 s; top 15):" in text
+    assert text.index("| tests/test_b.py | 2 | 40 | 81% | 32 |") < text.index("| tests/test_a.py | 1 | 10 | 19% | 10 |")
 
 
 @triton.jit

@@ -85,7 +85,7 @@ def memory_model(rows: list[dict], config: dict) -> str:
               "the rows record); GPU attention kernels need "
               "less than the CPU path measured here. The static term on CPU includes the Python process, torch and "
               "the model's fp32 weights, gradients and Adam moments.", ""]
-    return "\n".join(lines + component_model(rows, config) + longest_table(rows))
+    return "\n".join(lines + component_model(rows, config) + floor_bound(rows, config) + longest_table(rows))
 
 
 def longest_table(rows: list[dict]) -> list[str]:
@@ -151,6 +151,27 @@ def component_model(rows: list[dict], config: dict) -> list[str]:
             lines.append(f"| {name} | {mode} | {per_token / 1e3:.0f} kB | " + " | ".join(chains)
                          + f" | {host} | {alst} |")  # fmt: skip
     return lines + [""]
+
+
+def floor_bound(rows: list[dict], config: dict, length: int = 4000, group: int = 8) -> list[str]:
+    """Markdown lines: at one measured point (group x length, the length sweep), how far block-input checkpoints can
+    go below TRL's peak on this machine: the measured static memory plus the floor alone, against TRL's and ours."""
+    at = {r["provider"]: r for r in rows if r["sweep"] == "length" and r["status"] == "ok"
+          and int(r["group_size"]) == group and int(r["min_len"]) == int(r["max_len"]) == length}  # fmt: skip
+    if "trl_ckpt" not in at or "gk_tiled" not in at:
+        return []
+    trl, ours = float(at["trl_ckpt"]["peak_rss_mb"]), at["gk_tiled"]
+    floor_mb = config["layers"] * config["hidden"] * 4 * float(ours["computed_tokens"]) / 2**20
+    static, peak = float(ours["base_rss_mb"]), float(ours["peak_rss_mb"])
+    bound = static + floor_mb
+    return [f"## How low block checkpoints can go ({group} x {length}, measured)", "",
+            f"TRL (checkpointing on) peaks at {trl:.0f} MB, ours with the tiled MLP at {peak:.0f} MB "
+            f"({peak / trl:.2f}x). Of ours, {static:.0f} MB are there before the step (weights, gradients, Adam "
+            f"moments, the process: RSS after a warm-up step) and {floor_mb:.0f} MB are the checkpointed block "
+            f"inputs of its {int(ours['computed_tokens'])} tokens (the floor): {bound:.0f} MB, {bound / trl:.2f}x "
+            f"TRL's peak with no working memory at all; the working set above them is {peak - bound:.0f} MB. Below "
+            "that bound only fewer or smaller block inputs go (offload on a GPU moves them to host memory; on the CPU "
+            "they are in it already).", ""]  # fmt: skip
 
 
 def _tokens(n: float) -> str:

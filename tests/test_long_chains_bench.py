@@ -99,6 +99,25 @@ def test_component_model_splits_the_fitted_slopes_and_scales_them_to_the_big_mod
     assert "No gk_blocks" in component_model(rows[:3], dict(layers=30, hidden=576, intermediate=1536))[0]
 
 
+def test_the_floor_bound_is_the_static_memory_plus_the_checkpointed_inputs_against_trls_peak():
+    sys.path.insert(0, str(SCRIPT.parent))
+    from long_chains_report import floor_bound
+
+    point = dict(status="ok", sweep="length", group_size="8", min_len="4000", max_len="4000")
+    tokens = 1500  # 30 x 576 fp32 per token: ~99 MB of block inputs
+    rows = [dict(point, provider="trl_ckpt", peak_rss_mb="1000", base_rss_mb="600", computed_tokens="99"),
+            dict(point, provider="gk_tiled", peak_rss_mb="800", base_rss_mb="600", computed_tokens=str(tokens)),
+            dict(point, provider="gk_tiled", min_len="2000", max_len="2000", peak_rss_mb="1", base_rss_mb="1",
+                 computed_tokens="1")]  # fmt: skip
+    floor = tokens * 30 * 576 * 4 / 2**20
+    text = "\n".join(floor_bound(rows, dict(layers=30, hidden=576, intermediate=1536)))
+    assert "ours with the tiled MLP at 800 MB (0.80x)" in text
+    assert f"{floor:.0f} MB are the checkpointed block inputs of its {tokens} tokens" in text
+    assert f"{600 + floor:.0f} MB, {(600 + floor) / 1000:.2f}x TRL's peak" in text
+    assert f"the working set above them is {200 - floor:.0f} MB" in text
+    assert floor_bound(rows[1:], dict(layers=30, hidden=576, intermediate=1536)) == []  # no TRL row: nothing
+
+
 def test_longest_search_doubles_then_bisects_to_five_percent():
     sys.path.insert(0, str(SCRIPT.parent))
     from long_chains import longest_search

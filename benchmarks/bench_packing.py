@@ -2,7 +2,7 @@
 
 Usage (from the repository root):
     .venv/bin/python benchmarks/bench_packing.py            # CPU, the long-tailed mix and the prefix-ratio sweep
-    .venv/bin/python benchmarks/bench_packing.py --quick    # fewer, shorter samples, the 4:1 prompt ratio only
+    .venv/bin/python benchmarks/bench_packing.py --quick    # fewer, shorter samples, the 4:1 ratio, one timed call
 
 Model: Qwen2 config, hidden 128, 2 layers, 4 heads (head_dim 32), 2 KV heads, vocab 1024, fp32, random init.
 Step: forward, the sum of completion log-probs, backward (the work of a GRPO step without the loss details).
@@ -70,8 +70,9 @@ def step_packed(m, packed):
     return packed.num_tokens
 
 
-def timed(fn, repeats=3):
-    fn()  # warm-up
+def timed(fn, repeats=3, warmup=True):
+    if warmup:
+        fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -80,7 +81,7 @@ def timed(fn, repeats=3):
     return statistics.median(times) * 1e3
 
 
-def run_case(case, prompts, completions, groups, meta, rows):
+def run_case(case, prompts, completions, groups, meta, rows, quick=False):
     real = sum(p.numel() + c.numel() for p, c in zip(prompts, completions, strict=True))
     results = {}
     padded_model, packed_model = model("sdpa"), model("grpo_varlen")
@@ -89,8 +90,8 @@ def run_case(case, prompts, completions, groups, meta, rows):
     for layout, fn in (("padded", lambda: step_padded(padded_model, prompts, completions)),
                        ("packed", lambda: step_packed(packed_model, plain)),
                        ("shared_prefix", lambda: step_packed(packed_model, shared))):  # fmt: skip
-        computed = fn()
-        ms = timed(fn)
+        computed = fn()  # the first call (quick: the only warm-up, and one timed call: a smoke run, not a result)
+        ms = timed(fn, repeats=1, warmup=False) if quick else timed(fn)
         results[layout] = ms
         rows.append({**meta, "case": case, "layout": layout, "samples": len(prompts), "real_tokens": real,
                      "computed_tokens": computed, "median_ms": round(ms, 1), "tokens_per_s": round(real / ms * 1e3),
@@ -120,14 +121,15 @@ def main() -> None:
     waste = 1 - (lengths + 64).sum() / (n * (lengths.max() + 64))
     print(f"long-tailed mix: {n} samples, completions {lengths.min()}..{lengths.max()} tokens (median "
           f"{int(lengths.median())}), padding waste {waste:.0%}")  # fmt: skip
-    run_case("long-tailed mix", prompts, completions, groups, meta, rows)
+    run_case("long-tailed mix", prompts, completions, groups, meta, rows, args.quick)
     c_len = 64 if args.quick else 128
     ratios = (("4:1", 4 * c_len),) if args.quick else (("4:1", 4 * c_len), ("1:1", c_len), ("1:4", c_len // 4))
     for ratio, p_len in ratios:
         group_prompts = [torch.randint(0, VOCAB, (p_len,), generator=g) for _ in range(2)]
         prompts = [group_prompts[i // 8] for i in range(16)]
         completions = [torch.randint(0, VOCAB, (c_len,), generator=g) for _ in range(16)]
-        run_case(f"prompt:completion {ratio}", prompts, completions, [i // 8 for i in range(16)], meta, rows)
+        run_case(f"prompt:completion {ratio}", prompts, completions, [i // 8 for i in range(16)], meta, rows,
+                 args.quick)
     csv_path = args.csv or RESULTS / "packing_cpu.csv"
     append_csv(rows, csv_path, COLUMNS)
     print(f"appended {len(rows)} rows to {csv_path}")

@@ -274,8 +274,8 @@ def micro_batch_lines(results: Path) -> list[str]:
         return []
     parts = [f"{', '.join(names)}: {'the whole step in one' if rows is None else f'{rows} rows'}"
              for rows, names in by_rows.items()]  # fmt: skip
-    return ["TRL's micro-batches (per_device_train_batch_size; gradient accumulation over the step, which TRL "
-            "generates and normalizes as a whole: the same update): " + "; ".join(parts) + ".", ""]
+    return ["_TRL's micro-batches (per_device_train_batch_size; gradient accumulation over the step, which TRL "
+            "generates and normalizes as a whole: the same update): " + "; ".join(parts) + "._", ""]
 
 
 def command_line(args, rows: list[dict]) -> str:

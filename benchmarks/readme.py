@@ -239,15 +239,16 @@ def study_section(results: Path) -> list:
     return lines
 
 
-def learning_vs_trl_section(results: Path) -> list:
+def learning_vs_trl_section(results: Path, name: str = "learning_vs_trl",
+                            title: str = "the same run in trl.GRPOTrainer and here") -> list:  # fmt: skip
     """The same run in TRL and here (benchmarks/learning_vs_trl.py), from its own report and the reading beside it."""
-    md = results / "learning_vs_trl" / "summary.md"
+    md = results / name / "summary.md"
     if not md.exists():
         return []
     command, tables = _tables_of(md)
-    lines = [f"**Learning vs TRL: the same run in trl.GRPOTrainer and here** (`{command}`; per-seed files and plots "
-             "in `benchmarks/results/learning_vs_trl/`). Held-out success, mean ± 95 % t-interval over the seeds "
-             "(their number in brackets); verdict `ok`: ours within TRL's interval or above it.", "",
+    lines = [f"**Learning vs TRL: {title}** (`{command}`; per-seed files and plots in `benchmarks/results/{name}/`). "
+             "Held-out success, mean ± 95 % t-interval over the seeds (their number in brackets); verdict `ok`: ours "
+             "within TRL's interval or above it.", "",
              *[f"#{t}" if t.startswith("## ") else t for t in tables], ""]  # fmt: skip
     reading = md.parent / "reading.md"  # written by hand from the results above it, committed beside them
     if reading.exists():
@@ -300,6 +301,8 @@ def render(results: Path = RESULTS) -> str:
         lines += group_size_section(results / "group_size_study" / "runs.csv")
     lines += study_section(results)
     lines += learning_vs_trl_section(results)
+    lines += learning_vs_trl_section(results, "learning_vs_trl_format_weight0",
+                                     "the same run without the bare-integer bonus (task.format_weight = 0)")
     lines += gpu_section(sorted(p for p in results.glob("gpu_check_*.csv") if "dry-run" not in p.name))
     return "\n".join(lines).rstrip() + "\n"
 

@@ -232,7 +232,8 @@ def test_the_report_says_which_trl_runs_ran_in_micro_batches(tmp_path):
         (tmp_path / "runs" / name).mkdir(parents=True)
         (tmp_path / "runs" / name / "summary.json").write_text(json.dumps(summary))
     line = learning_vs_trl.micro_batch_lines(tmp_path)[0]
-    assert line.endswith("): trl_dapo_seed0, trl_dapo_seed4: 8 rows; trl_dapo_seed3: the whole step in one.")
+    assert line.startswith("_TRL's micro-batches")  # a paragraph the performance page carries
+    assert line.endswith("): trl_dapo_seed0, trl_dapo_seed4: 8 rows; trl_dapo_seed3: the whole step in one._")
     (tmp_path / "runs" / "trl_dapo_seed4" / "summary.json").write_text("{}")
     (tmp_path / "runs" / "trl_dapo_seed0" / "summary.json").write_text("{}")
     assert learning_vs_trl.micro_batch_lines(tmp_path) == []  # all whole-step runs: nothing to say

@@ -188,7 +188,9 @@ def test_a_kill_at_any_point_of_a_checkpoint_write_leaves_an_intact_latest_check
 
         return wrapper
 
-    for module, name in [(ckpt.dcp, "save"), (ckpt.os, "replace"), (ckpt.os, "fsync"), (Path, "rename"),
+    import torch.distributed.checkpoint as dcp  # what save_checkpoint imports when it saves
+
+    for module, name in [(dcp, "save"), (ckpt.os, "replace"), (ckpt.os, "fsync"), (Path, "rename"),
                          (Path, "write_text"), (ckpt.shutil, "rmtree"), (ckpt, "_sha256")]:  # fmt: skip
         monkeypatch.setattr(module, name, dies(getattr(module, name)))
     kill_at, finished = 1, False

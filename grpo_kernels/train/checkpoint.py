@@ -23,15 +23,11 @@ import warnings
 from pathlib import Path
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 
 from .fsdp import Dist
+
+# torch.distributed.checkpoint is imported where a checkpoint is saved or loaded, not with this module: it pulls in
+# DTensor and sympy (~1.7 s of CPU), which every `grpo-kernels train` process paid at start-up, checkpointing or not.
 
 __all__ = [
     "RUN_NEUTRAL_FIELDS", "CheckpointError", "config_changes", "list_checkpoints", "latest_checkpoint",
@@ -73,6 +69,8 @@ def _barrier(d: Dist) -> None:
 
 
 def _states(policy, optimizer, ref_policy):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
     model, optim = get_state_dict(policy, optimizer)
     states = {"model": model, "optim": optim}
     if ref_policy is not None:
@@ -136,6 +134,8 @@ def save_checkpoint(run_dir, step: int, *, policy, optimizer, ref_policy, traine
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier(d)
+    import torch.distributed.checkpoint as dcp
+
     with _quiet():
         dcp.save(_states(policy, optimizer, ref_policy), checkpoint_id=str(tmp), no_dist=not d.distributed)
     if d.is_main:
@@ -247,6 +247,9 @@ def load_checkpoint(path, *, policy, optimizer, ref_policy, verify: bool = True)
     """Load a checkpoint into the (already sharded) policy, optimizer and reference; returns the trainer state.
     verify: check it with `verify_checkpoint` first (on every rank; the trainer verifies once, on rank 0)."""
     path = Path(path)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
     if verify:
         verify_checkpoint(path)
     states = _states(policy, optimizer, ref_policy)

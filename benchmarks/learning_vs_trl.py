@@ -39,6 +39,7 @@ import argparse
 import csv
 import fcntl
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -175,20 +176,37 @@ def mean_ci(values: list[float]) -> tuple:
     return mean, t975(n - 1) * (var / n) ** 0.5
 
 
+def welch_difference(a: list[float], b: list[float]) -> tuple:
+    """(mean(a) - mean(b), half-width of its 95 % Welch interval; degrees of freedom rounded down), nan with fewer
+    than two values on a side."""
+    diff = sum(a) / len(a) - sum(b) / len(b)
+    if min(len(a), len(b)) < 2:
+        return diff, float("nan")
+    var = [sum((x - sum(v) / len(v)) ** 2 for x in v) / (len(v) - 1) / len(v) for v in (a, b)]
+    se2 = var[0] + var[1]
+    if se2 == 0:
+        return diff, 0.0
+    dof = se2**2 / (var[0] ** 2 / (len(a) - 1) + var[1] ** 2 / (len(b) - 1))
+    return diff, t975(max(1, math.floor(dof))) * se2**0.5
+
+
 def summary_lines(rows: list[dict]) -> list[str]:
     lines = []
     for loss_type in dict.fromkeys(r["loss_type"] for r in rows):
         mine = [r for r in rows if r["loss_type"] == loss_type]
         trainers = [t for t in TRAINERS if any(r["trainer"] == t for r in mine)]
         steps = sorted({r["step"] for r in mine})
-        at = {}
+        at, values = {}, {}
         for t in trainers:
             for s in steps:
-                values = [r["eval_success"] for r in mine if r["trainer"] == t and r["step"] == s]
-                at[t, s] = (mean_ci(values), len(values)) if values else None
+                values[t, s] = [r["eval_success"] for r in mine if r["trainer"] == t and r["step"] == s]
+                at[t, s] = (mean_ci(values[t, s]), len(values[t, s])) if values[t, s] else None
+        both = "trl" in trainers and "grpo_kernels" in trainers
         lines += [f"## loss {loss_type}", "", "Held-out success, mean ± 95 % t-interval over the seeds (n seeds); "
-                  "`ok`: ours within TRL's interval or above it.", "",
-                  "| after step | " + " | ".join(trainers) + " | verdict |", "|---:|" + "---|" * (len(trainers) + 1)]
+                  "`ok`: ours within TRL's interval or above it" + ("; ours - TRL: the difference of the means with "
+                  "its 95 % Welch interval (a difference whose interval excludes 0 is resolved)" if both else "")
+                  + ".", "", "| after step | " + " | ".join(trainers) + " | verdict |" + (" ours - TRL |" if both
+                  else ""), "|---:|" + "---|" * (len(trainers) + 1) + ("---:|" if both else "")]  # fmt: skip
         for s in steps:
             cells, verdict = [], ""
             for t in trainers:
@@ -197,7 +215,12 @@ def summary_lines(rows: list[dict]) -> list[str]:
             trl, ours = at.get(("trl", s)), at.get(("grpo_kernels", s))
             if trl and ours and trl[1] > 1:
                 verdict = "ok" if ours[0][0] >= trl[0][0] - trl[0][1] else "**below**"
-            lines.append(f"| {s + 1 if s >= 0 else 'start'} | " + " | ".join(cells) + f" | {verdict} |")
+            line = f"| {s + 1 if s >= 0 else 'start'} | " + " | ".join(cells) + f" | {verdict} |"
+            if both:
+                diff = (welch_difference(values["grpo_kernels", s], values["trl", s]) if trl and ours
+                        else (float("nan"), float("nan")))  # fmt: skip
+                line += " - |" if math.isnan(diff[0]) else f" {diff[0]:+.3f} ± {diff[1]:.3f} |"
+            lines.append(line)
         lines.append("")
     return lines
 

@@ -237,3 +237,12 @@ def test_the_report_says_which_trl_runs_ran_in_micro_batches(tmp_path):
     (tmp_path / "runs" / "trl_dapo_seed4" / "summary.json").write_text("{}")
     (tmp_path / "runs" / "trl_dapo_seed0" / "summary.json").write_text("{}")
     assert learning_vs_trl.micro_batch_lines(tmp_path) == []  # all whole-step runs: nothing to say
+
+
+def test_the_difference_of_the_means_has_a_welch_interval():
+    # a = 1, 2, 3 (variance 1), b = 1, 1 (variance 0): se^2 = 1/3, Welch's dof = (1/3)^2 / ((1/3)^2 / 2) = 2
+    diff, half = learning_vs_trl.welch_difference([1.0, 2.0, 3.0], [1.0, 1.0])
+    assert diff == 1.0 and half == pytest.approx(4.303 * (1 / 3) ** 0.5, rel=1e-3)
+    assert learning_vs_trl.welch_difference([0.5, 0.5], [0.25, 0.25]) == (0.25, 0.0)
+    diff, half = learning_vs_trl.welch_difference([0.5], [0.25, 0.75])
+    assert diff == 0.0 and half != half  # one value on a side: no interval (nan)

@@ -24,7 +24,7 @@ steps, for both.
 Every (trainer, loss type, seed) is one process, in --workdir (default ~/.cache/grpo-kernels/learning_vs_trl); with
 --cpus, as many run at once as CPUs are named, each pinned to its CPU with one thread, so both trainers are timed
 alike (mind the memory: a TRL run of the defaults reached ~12 GB of RSS, ours ~5 GB; two TRL runs at once were
-killed for memory on a 24 GB machine; with --trl-micro-rows 8 a TRL run peaked at ~3.6 GB, the same update;
+killed for memory on a 24 GB machine; with --trl-micro-rows 8 a whole TRL run peaked at 4.7 GB, the same update;
 process.json keeps each finished run's peak). Runs checkpoint every 8 steps
 and resume from there; a finished run (its files copied to the results) is not run again, nor one that another
 invocation is running (a lock file per run: several invocations, on other CPUs, may share the work); a run that dies

@@ -204,9 +204,11 @@ def summary_lines(rows: list[dict]) -> list[str]:
         both = "trl" in trainers and "grpo_kernels" in trainers
         lines += [f"## loss {loss_type}", "", "Held-out success, mean ± 95 % t-interval over the seeds (n seeds); "
                   "`ok`: ours within TRL's interval or above it" + ("; ours - TRL: the difference of the means with "
-                  "its 95 % Welch interval (a difference whose interval excludes 0 is resolved)" if both else "")
-                  + ".", "", "| after step | " + " | ".join(trainers) + " | verdict |" + (" ours - TRL |" if both
-                  else ""), "|---:|" + "---|" * (len(trainers) + 1) + ("---:|" if both else "")]  # fmt: skip
+                  "its 95 % Welch interval (a difference whose interval excludes 0 is resolved); paired: ours - TRL "
+                  "seed by seed over the seeds both ran (same prompts, same start), mean ± 95 % t-interval"
+                  if both else "") + ".", "",
+                  "| after step | " + " | ".join(trainers) + " | verdict |" + (" ours - TRL | paired |" if both
+                  else ""), "|---:|" + "---|" * (len(trainers) + 1) + ("---:|---:|" if both else "")]  # fmt: skip
         for s in steps:
             cells, verdict = [], ""
             for t in trainers:
@@ -220,6 +222,11 @@ def summary_lines(rows: list[dict]) -> list[str]:
                 diff = (welch_difference(values["grpo_kernels", s], values["trl", s]) if trl and ours
                         else (float("nan"), float("nan")))  # fmt: skip
                 line += " - |" if math.isnan(diff[0]) else f" {diff[0]:+.3f} ± {diff[1]:.3f} |"
+                by_seed = {t: {r["seed"]: r["eval_success"] for r in mine if r["trainer"] == t and r["step"] == s}
+                           for t in ("trl", "grpo_kernels")}  # fmt: skip
+                common = sorted(set(by_seed["trl"]) & set(by_seed["grpo_kernels"]))
+                paired = mean_ci([by_seed["grpo_kernels"][k] - by_seed["trl"][k] for k in common]) if common else None
+                line += " - |" if paired is None else f" {paired[0]:+.3f} ± {paired[1]:.3f} ({len(common)}) |"
             lines.append(line)
         lines.append("")
     return lines
@@ -280,11 +287,37 @@ def report(results: Path, args) -> list[Path]:
     failed = sorted(p.parent.name for p in (results / "runs").glob("*/failed.txt"))
     lines = ["# Learning vs TRL: the same GRPO run in trl.GRPOTrainer and grpo-kernels train", "",
              f"Command: `{command_line(args, rows)}`", "", *micro_batch_lines(results),
-             *summary_lines(rows)]  # fmt: skip
+             *summary_lines(rows), *run_lines(results, rows)]  # fmt: skip
     if failed:
         lines += ["## Runs that died", "", *[f"- {name}: see runs/{name}/failed.txt" for name in failed], ""]
     (results / "summary.md").write_text("\n".join(lines))
     return [results / "summary.md", results / "curves.csv", *(plot(results, rows) if rows else [])]
+
+
+def run_lines(results: Path, rows: list[dict]) -> list[str]:
+    """One line per finished run: held-out success at the start, after the first evaluation, at the end and at its
+    best; the shortest mean completion of any step (a collapse into bare answers shows there); seconds; peak RSS."""
+    out = []
+    for summary in sorted((results / "runs").glob("*/summary.json")):
+        trainer, loss_type, seed = _name(summary.parent.name)
+        mine = [r["eval_success"] for r in rows if (r["trainer"], r["loss_type"], r["seed"]) == (trainer, loss_type,
+                                                                                                seed)]  # fmt: skip
+        key = "completions/mean_length" if trainer.startswith("trl") else "completion_length"
+        lengths = [float(m[key]) for m in _jsonl(summary.parent / "metrics.jsonl") if key in m]
+        process = summary.parent / "process.json"
+        peak = json.loads(process.read_text())["peak_rss_mib"] if process.exists() else ""
+        wall = next((r["wall_s"] for r in reversed(rows) if (r["trainer"], r["loss_type"], r["seed"]) ==
+                     (trainer, loss_type, seed)), "")  # fmt: skip
+        out.append(f"| {trainer} | {loss_type} | {seed} | {mine[0]:.3f} | {mine[1] if len(mine) > 1 else mine[0]:.3f} "
+                   f"| {mine[-1]:.3f} | {max(mine):.3f} | {min(lengths) if lengths else float('nan'):.1f} | "
+                   f"{wall:.0f} | {peak} |")  # fmt: skip
+    if not out:
+        return []
+    return ["## Each run", "", "_Held-out success at the start, after the first evaluation, at the end and at its "
+            "best; the shortest mean completion (tokens) of any step; seconds of sampling and training; peak RSS "
+            "(MiB)._", "",
+            "| trainer | loss | seed | start | first eval | end | best | shortest mean completion | s | peak MiB |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|", *out, ""]  # fmt: skip
 
 
 def micro_batch_lines(results: Path) -> list[str]:

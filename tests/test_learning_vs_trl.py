@@ -246,3 +246,23 @@ def test_the_difference_of_the_means_has_a_welch_interval():
     assert learning_vs_trl.welch_difference([0.5, 0.5], [0.25, 0.25]) == (0.25, 0.0)
     diff, half = learning_vs_trl.welch_difference([0.5], [0.25, 0.75])
     assert diff == 0.0 and half != half  # one value on a side: no interval (nan)
+
+
+def test_the_report_pairs_seeds_both_trainers_ran_and_lists_each_run(tmp_path):
+    rows = [{"trainer": t, "loss_type": "dapo", "seed": seed, "step": step, "eval_success": value, "wall_s": 10.0}
+            for t, seed, values in (("trl", 0, (0.2, 0.4)), ("trl", 1, (0.2, 0.6)), ("grpo_kernels", 0, (0.2, 0.5)),
+                                    ("grpo_kernels", 1, (0.2, 0.6)), ("grpo_kernels", 2, (0.2, 0.1)))
+            for step, value in zip((-1, 3), values, strict=True)]  # fmt: skip
+    text = "\n".join(learning_vs_trl.summary_lines(rows))
+    # after step 4: seeds 0 and 1 in both, differences +0.1 and 0.0 (seed 2, ours alone, is not paired)
+    paired = learning_vs_trl.mean_ci([0.1, 0.0])
+    assert "| 4 | 0.500 ± 1.271 (2) | 0.400 ± " in text and f"+{paired[0]:.3f} ± {paired[1]:.3f} (2) |" in text
+    for name, lengths in (("trl_dapo_seed0", '{"completions/mean_length": 9.5}\n{"completions/mean_length": 4.0}\n'),
+                          ("grpo_kernels_dapo_seed0", '{"completion_length": 7.0}\n')):  # fmt: skip
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "summary.json").write_text("{}")
+        (tmp_path / "runs" / name / "metrics.jsonl").write_text(lengths)
+    (tmp_path / "runs" / "trl_dapo_seed0" / "process.json").write_text('{"peak_rss_mib": 4700}')
+    lines = learning_vs_trl.run_lines(tmp_path, rows)
+    assert "| trl | dapo | 0 | 0.200 | 0.400 | 0.400 | 0.400 | 4.0 | 10 | 4700 |" in lines
+    assert "| grpo_kernels | dapo | 0 | 0.200 | 0.500 | 0.500 | 0.500 | 7.0 | 10 |  |" in lines

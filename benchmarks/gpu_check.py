@@ -241,35 +241,35 @@ def _fwd_bwd(fn, *leaves):
 
 
 def timing_cases(env):
-    """[(op, shape, {provider: fn}, bytes moved or None, flops or None)]."""
+    """Yields (op, shape, {provider: fn}, bytes moved or None, flops or None), one case at a time: each is timed
+    before the next is built (its tensors freed, and the closures see their own case's tensors, not the next's)."""
     dev, impl, q = env.device, env.impl, env.quick
-    cases = []
 
     n = 4096 if env.dry else (1 << 18 if q else 1 << 22)
     rewards = torch.randint(0, 2, (n,), device=dev).float()
     eager = lambda: reference.group_advantages(rewards, group_size=16).advantages  # noqa: E731
-    cases.append(("group_advantages", f"N={n} G=16", {
+    yield ("group_advantages", f"N={n} G=16", {
         "eager": eager, "compiled": None if env.dry else torch.compile(eager, dynamic=False),
         "ours": lambda: grpo_kernels.group_advantages(rewards, group_size=16, impl=impl).advantages,
-    }, 8 * n, None))  # fmt: skip
+    }, 8 * n, None)  # fmt: skip
 
     t, v = (64, 1000) if env.dry else ((4096, 151936) if q else (16384, 151936))
     logits = torch.randn(t, v, device=dev, dtype=torch.bfloat16).requires_grad_()
     ids = torch.randint(0, v, (t,), device=dev)
     eager = lambda: torch.log_softmax(logits.float(), -1).gather(-1, ids[:, None])[:, 0]  # noqa: E731
-    cases.append(("selective_logprobs fwd+bwd", f"T={t} V={v} bf16", {
+    yield ("selective_logprobs fwd+bwd", f"T={t} V={v} bf16", {
         "eager": _fwd_bwd(eager, logits), "compiled": env.compiled(eager, logits),
         "ours": _fwd_bwd(lambda: grpo_kernels.selective_logprobs(logits, ids, impl=impl), logits),
-    }, 3 * t * v * 2, None))  # fmt: skip
+    }, 3 * t * v * 2, None)  # fmt: skip
 
     b, length = (4, 64) if env.dry else ((16, 2048) if q else (64, 2048))
     logps, old, ref, mask, adv = _loss_inputs(env, b, length, torch.float32)
     eager = lambda: reference.grpo_loss(logps, old, adv, ref_logps=ref, mask=mask, **LOSS)  # noqa: E731
     ours = lambda: grpo_kernels.grpo_loss(logps, old, adv, ref_logps=ref, mask=mask, impl=impl, **LOSS)  # noqa: E731
-    cases.append(("grpo_loss fwd+bwd", f"T={b * length} dapo+KL", {
+    yield ("grpo_loss fwd+bwd", f"T={b * length} dapo+KL", {
         "eager": _fwd_bwd(eager, logps), "compiled": env.compiled(eager, logps),
         "ours": _fwd_bwd(ours, logps),
-    }, 6 * b * length * 4, None))  # fmt: skip
+    }, 6 * b * length * 4, None)  # fmt: skip
 
     _, old2, ref2, mask2, adv2 = _loss_inputs(env, 1, t, torch.float32)
     packed = dict(ref_logps=ref2.reshape(-1), mask=mask2.reshape(-1), cu_seqlens=torch.tensor([0, t], device=dev))
@@ -281,12 +281,13 @@ def timing_cases(env):
     def ours_from_logits():
         return grpo_kernels.grpo_loss_from_logits(logits, ids, old2.reshape(-1), adv2, impl=impl, **packed, **LOSS)
 
-    cases.append(("grpo_loss_from_logits fwd+bwd", f"T={t} V={v} bf16", {
+    yield ("grpo_loss_from_logits fwd+bwd", f"T={t} V={v} bf16", {
         "eager": _fwd_bwd(eager_from_logits, logits), "compiled": env.compiled(eager_from_logits, logits),
         "ours": _fwd_bwd(ours_from_logits, logits),
-    }, 3 * t * v * 2, None))  # fmt: skip
+    }, 3 * t * v * 2, None)  # fmt: skip
 
-    t, h, v = (64, 32, 1000) if env.dry else ((4096, 4096, 151936) if q else (8192, 4096, 151936))
+    # the dry run's T differs from the cases above, so a closure that saw another case's tensors would fail there
+    t, h, v = (48, 32, 1000) if env.dry else ((4096, 4096, 151936) if q else (8192, 4096, 151936))
     hidden = torch.randn(t, h, device=dev, dtype=torch.bfloat16).requires_grad_()
     weight = (torch.randn(v, h, device=dev) * 0.02).to(torch.bfloat16).requires_grad_()
     ids = torch.randint(0, v, (t,), device=dev)
@@ -309,8 +310,7 @@ def timing_cases(env):
     liger = _liger_fused_linear(hidden, weight, ids, adv3, old3, ref3, mask3, env)
     if liger is not None:
         providers["liger"] = _fwd_bwd(liger, hidden, weight)
-    cases.append(("fused_linear_grpo_loss fwd+bwd", f"T={t} H={h} V={v} bf16", providers, None, 6 * t * h * v))
-    return cases
+    yield ("fused_linear_grpo_loss fwd+bwd", f"T={t} H={h} V={v} bf16", providers, None, 6 * t * h * v)
 
 
 def _liger_fused_linear(hidden, weight, ids, adv, old, ref, mask, env):
@@ -335,6 +335,28 @@ def ceilings(env) -> tuple[float, float]:
     return copy_gbs, 2 * 8192**3 / env.time_ms(lambda: a @ a) / 1e9
 
 
+def _worst(errors: list[float]) -> float:
+    """The largest error, NaN if any is NaN (Python's max would drop a NaN that is not first)."""
+    return float("nan") if any(e != e for e in errors) else max(errors)
+
+
+class _Rows(list):
+    """The result rows, written to the CSV after each one is added."""
+
+    FIELDS = ["kind", "op", "shape", "provider", "value", "unit", "ok", "rate", "vs_best_baseline"]
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = path
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        with self.path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=self.FIELDS)
+            writer.writeheader()
+            writer.writerows(self)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, no CUDA (a smoke test)")
@@ -345,16 +367,24 @@ def main() -> None:
         raise SystemExit("gpu_check: no CUDA device (use --dry-run on a machine without a GPU)")
     env = Env(args.dry_run, args.quick)
     name = "cpu-dry-run" if env.dry else torch.cuda.get_device_name().replace(" ", "_")
-    started, rows, failed = time.perf_counter(), [], []
+    started, failed = time.perf_counter(), []
     print(f"gpu_check on {name}: torch {torch.__version__}, impl={env.impl}", flush=True)
+    out = Path(args.out) if args.out else RESULTS / f"gpu_check_{name}.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = _Rows(out)  # rewritten after every row: a run stopped at its time limit keeps what it measured
     for op, dtype, fn in check_cases(env):
-        errors = fn(dtype)
         tol = BF16_TOL if dtype == torch.bfloat16 else FP32_TOL
-        ok = max(errors) <= tol
+        try:
+            worst, note = _worst(fn(dtype)), ""
+        except Exception as exc:  # one broken path is reported and the others still run
+            worst, note = float("nan"), f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            torch.cuda.empty_cache() if not env.dry else None
+        ok = worst <= tol  # NaN (a non-finite result, or an error) fails
         failed += [] if ok else [f"{op} {dtype}"]
         rows.append(dict(kind="check", op=op, shape=str(dtype).replace("torch.", ""), provider="ours",
-                         value=f"{max(errors):.2e}", unit=f"rel err (tol {tol:g})", ok=ok))  # fmt: skip
-        print(f"  check {op:26s} {dtype}: max rel err {max(errors):.2e} {'ok' if ok else 'FAIL'}", flush=True)
+                         value=note or f"{worst:.2e}", unit=f"rel err (tol {tol:g})", ok=ok))  # fmt: skip
+        print(f"  check {op:26s} {dtype}: {note or f'max rel err {worst:.2e}'} {'ok' if ok else 'FAIL'}"
+              f"  [{time.perf_counter() - started:.0f} s]", flush=True)  # fmt: skip
     copy_gbs, mm_tflops = ceilings(env)
     rows.append(dict(kind="ceiling", op="copy", shape="1 GiB", provider="torch", value=f"{copy_gbs:.0f}", unit="GB/s"))
     rows.append(dict(kind="ceiling", op="matmul", shape="8192^3 bf16", provider="torch", value=f"{mm_tflops:.0f}",
@@ -364,18 +394,20 @@ def main() -> None:
         for p, fn in providers.items():
             try:
                 times[p] = env.time_ms(fn) if fn is not None else None
-            except Exception as exc:  # a baseline that fails (a compiler error, out of memory) is reported, not fatal
+            except Exception as exc:  # a baseline that fails (a compiler error, out of memory) is reported, not fatal;
                 print(f"  {op} {p}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
                 torch.cuda.empty_cache() if not env.dry else None
+                failed += [f"{op} (ours, at the timing shape)"] if p == "ours" else []  # ours failing is a failure
         times = {p: ms for p, ms in times.items() if ms is not None}
-        base = min(ms for p, ms in times.items() if p not in ("ours", "floor"))
+        base = min((ms for p, ms in times.items() if p not in ("ours", "floor")), default=float("nan"))
         for p, ms in times.items():
             rate = (f"{nbytes / ms / 1e6:.0f} GB/s ({nbytes / ms / 1e6 / copy_gbs:.0%} of copy)" if nbytes
                     else f"{flops / ms / 1e9:.0f} TFLOP/s ({flops / ms / 1e9 / mm_tflops:.0%} of matmul)")  # fmt: skip
             rows.append(dict(kind="time", op=op, shape=shape, provider=p, value=f"{ms:.3f}", unit="ms",
                              rate=rate if p == "ours" or not nbytes else "",
                              vs_best_baseline=f"{base / ms:.2f}x"))  # fmt: skip
-        print(f"  time  {op:32s} {shape}: " + ", ".join(f"{p} {ms:.3f} ms" for p, ms in times.items()), flush=True)
+        print(f"  time  {op:32s} {shape}: " + ", ".join(f"{p} {ms:.3f} ms" for p, ms in times.items())
+              + f"  [{time.perf_counter() - started:.0f} s]", flush=True)  # fmt: skip
     try:
         for row in offload_rows(env):
             rows.append(row)
@@ -383,13 +415,6 @@ def main() -> None:
                   flush=True)  # fmt: skip
     except Exception as exc:  # reported, not fatal: the kernel timings above are kept
         print(f"  checkpoint_offload rows: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
-    out = Path(args.out) if args.out else RESULTS / f"gpu_check_{name}.csv"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["kind", "op", "shape", "provider", "value", "unit", "ok", "rate",
-                                               "vs_best_baseline"])  # fmt: skip
-        writer.writeheader()
-        writer.writerows(rows)
     print(f"\n{name}, {time.perf_counter() - started:.0f} s, wrote {out}\n")
     print("| op | shape | provider | value | rate | vs best baseline |\n|---|---|---|---|---|---|")
     for r in rows:

@@ -85,7 +85,7 @@ def check_ids(ids, shape, device: torch.device, vocab: int, source: str) -> None
         raise ValueError(f"ids are on {ids.device} but the {source.split()[0]} are on {device}")
     check_device(device, "ids")
     if ids.numel() and not torch.compiler.is_compiling():
-        lo, hi = int(ids.min()), int(ids.max())
+        lo, hi = torch.stack([ids.min(), ids.max()]).tolist()  # one device-to-host copy, not two
         if lo < 0 or hi >= vocab:
             raise ValueError(f"ids must lie in [0, V={vocab}), found {lo if lo < 0 else hi}")
 

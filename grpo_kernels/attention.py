@@ -6,7 +6,8 @@ layout) whose sequences are delimited by `cu_seqlens`, and dispatches to the fir
     2. `torch.nn.attention.varlen.varlen_attn` (CUDA, torch >= 2.10; its causal flag became
        `window_size=(-1, 0)` in 2.12: both signatures are handled),
     3. SDPA once per sequence (any device; the CPU path).
-The choice depends only on the device and what is installed, never on a failure, and `backend=` forces one.
+The choice depends only on the device, the dtype (1 and 2 take fp16/bf16 only) and what is installed, never on a
+failure, and `backend=` forces one.
 
 `import grpo_kernels` registers it with transformers' `AttentionInterface` (and a mask function that builds no
 mask) under the name "grpo_varlen" (`register_hf_attention()` does it explicitly), so any HF decoder built on the
@@ -59,8 +60,11 @@ def _torch_varlen_window() -> bool:
     return fn is not None and "window_size" in inspect.signature(fn).parameters
 
 
-def _pick_backend(device: torch.device, features: set) -> str:
-    order = ["flash_attn", "torch_varlen"] if device.type == "cuda" else []
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)  # flash-attn and torch's varlen_attn (a flash kernel) take only these
+
+
+def _pick_backend(device: torch.device, features: set, dtype: torch.dtype) -> str:
+    order = ["flash_attn", "torch_varlen"] if device.type == "cuda" and dtype in _FLASH_DTYPES else []
     for name in [*order, "sdpa", "math"]:
         if name == "flash_attn" and _flash_attn() is None or name == "torch_varlen" and _torch_varlen() is None:
             continue
@@ -125,7 +129,9 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, causal=True, scale=None
         if backend not in ("auto", "sdpa", "math"):
             raise ValueError(f"prefix_groups run on the 'sdpa' or 'math' backend, not {backend!r}")
     elif backend == "auto":
-        backend = _pick_backend(q.device, features)
+        backend = _pick_backend(q.device, features, q.dtype)
+    if backend in ("flash_attn", "torch_varlen") and q.dtype not in _FLASH_DTYPES:
+        raise ValueError(f"backend {backend!r} takes float16 or bfloat16, got {q.dtype}: use backend='sdpa'")
     if backend != "auto" and not features <= _supported(backend):
         missing = ", ".join(sorted(features - _supported(backend)))
         raise ValueError(f"backend {backend!r} cannot honour {missing} (installed versions): use backend='math'")
@@ -143,7 +149,10 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, causal=True, scale=None
         cu = cu_seqlens.to(torch.int32)
         extra = {"is_causal": causal} if not _torch_varlen_window() else {"window_size": _window_size(window, causal)}
         if q.shape[1] != k.shape[1]:
-            extra["enable_gqa"] = True
+            if "enable_gqa" in inspect.signature(fn).parameters:
+                extra["enable_gqa"] = True
+            else:  # torch 2.10/2.11 take equal head counts only: each K/V head repeated for its query heads
+                k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
         return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, **extra)
     pieces = []
     bounds = cu_seqlens.tolist()

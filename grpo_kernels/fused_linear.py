@@ -38,6 +38,8 @@ from .options import OPTION_NAMES, LossOptions
 
 __all__ = ["fused_linear_grpo_loss", "fused_linear_logprobs"]
 
+# torch.addmm(..., out_dtype=torch.float32) (CUDA, torch >= 2.9): a bf16/fp16 product accumulated in an fp32 output.
+_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
 DEFAULT_CHUNK_BYTES = 256 * 2**20  # the logits chunk: large enough for efficient matmuls, far below the gradients
 
 
@@ -105,7 +107,9 @@ class _Chunks:
         if self.grad_w is not None:
             if dlogits.dtype == torch.float32:
                 self.grad_w.addmm_(dlogits.t(), self.h[c0:c1])
-            else:  # one low-precision product per chunk, summed in fp32
+            elif dlogits.is_cuda and _ADDMM_OUT_DTYPE:  # cuBLAS adds the product into the fp32 sum itself
+                torch.addmm(self.grad_w, dlogits.t(), self.h[c0:c1], out_dtype=torch.float32, out=self.grad_w)
+            else:  # one low-precision product per chunk, summed in fp32 (a [V, H] product, cast and add per chunk)
                 self.grad_w += torch.mm(dlogits.t(), self.h[c0:c1]).float()
         if self.grad_b is not None:
             self.grad_b += dlogits.sum(0, dtype=torch.float32)
@@ -130,12 +134,9 @@ def _token_level_pass(chunks, rows, ids, flat, layout, finish, bonus):
     entropy_sum = torch.zeros((), dtype=torch.float32, device=ids.device)
     bonus_h = torch.zeros((), dtype=torch.float32, device=ids.device)
     scalars = finish["options"].kernel_scalars()
-    for c0, c1 in chunks:
+    for (c0, c1), (frag_cu, cu_f, seq_f) in zip(chunks, _chunk_fragments(chunks, cu_host, ids.device), strict=True):
         logits = chunks.logits(c0, c1)
         lp, ent, lse = rows.logprobs(logits, ids[c0:c1])
-        frag_cu, frag_seq = _fragments(cu_host, c0, c1)
-        cu_f = torch.tensor(frag_cu, dtype=torch.int64, device=ids.device)
-        seq_f = torch.tensor(frag_seq, dtype=torch.int64, device=ids.device)
         part = partial(_slice, c0=c0, c1=c1)
         adv_c = adv[c0:c1] if adv_per_token else adv[seq_f]
         stats_f, coef = _loss_ops.grpo_loss_fwd(
@@ -158,12 +159,32 @@ def _slice(x, c0, c1):
     return None if x is None else x[c0:c1]
 
 
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device without waiting for the GPU (a copy from pageable memory would: it synchronises
+    the stream first, seen as one host sync per chunk on an H200)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _chunk_fragments(chunks, cu_host, device):
+    """[(local boundaries (list), the same on the device, each piece's sequence index on the device)] of every
+    chunk (see _fragments), sent to the device in one copy."""
+    frags = [_fragments(cu_host, c0, c1) for c0, c1 in chunks]
+    flat = _to_device(torch.tensor([x for bounds, seqs in frags for x in (*bounds, *seqs)], dtype=torch.int64), device)
+    out, i = [], 0
+    for bounds, seqs in frags:
+        j = i + len(bounds)
+        out.append((bounds, flat[i:j], flat[j : j + len(seqs)]))
+        i = j + len(seqs)
+    return out
+
+
 def _segment_sum(mask, layout, device):
     b, cu_host, seq_of = layout
     if mask is None:
-        return torch.tensor(
-            [e - s for s, e in zip(cu_host, cu_host[1:], strict=False)], dtype=torch.float32, device=device
-        )
+        return _to_device(torch.tensor([e - s for s, e in zip(cu_host, cu_host[1:], strict=False)],
+                                       dtype=torch.float32), device)  # fmt: skip
     return torch.zeros(b, dtype=torch.float32, device=device).index_add_(0, seq_of, mask)
 
 
@@ -395,8 +416,8 @@ def _run(hidden, weight, bias, needs, *, ids, ids_shape, advantages, old_logps, 
          rows_per_chunk, softcap, bonus, report_entropy):  # fmt: skip
     b, cu, max_len, adv_per_token = layout
     cu_host = cu.tolist()
-    lengths = torch.tensor([e - s for s, e in zip(cu_host, cu_host[1:], strict=False)], device=ids.device)
-    seq_of = torch.repeat_interleave(torch.arange(b, device=ids.device), lengths)
+    lengths = torch.tensor([e - s for s, e in zip(cu_host, cu_host[1:], strict=False)])
+    seq_of = _to_device(torch.repeat_interleave(torch.arange(b), lengths), ids.device)
     mask = _loss_ops.flat_input(call["mask"])
     chunks = _Chunks(hidden, weight, bias, rows_per_chunk, needs, softcap)
     if options.whole_sequence:  # GSPO, a sequence-level sampler mode or vespo: every g_t needs its whole sequence

@@ -3,6 +3,8 @@
 import torch
 
 # Tolerance for a result computed (accumulated) at this precision, compared with an fp64 oracle.
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]  # every loss_type we support
+
 TOLERANCES = {
     torch.float64: dict(rtol=1e-10, atol=1e-10),
     torch.float32: dict(rtol=2e-5, atol=2e-5),
@@ -35,7 +37,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, name: str, rto
     atol = tol["atol"] if atol is None else atol
     assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     if actual.dtype == torch.bool or expected.dtype == torch.bool:
-        bad = actual != expected
+        bad = actual.cpu() != expected.cpu()
         assert not bool(bad.any()), f"{name}: {int(bad.sum())} mismatches, first at {bad.nonzero()[:5].tolist()}"
         return
     a, e = actual.detach().double().cpu(), expected.detach().double().cpu()

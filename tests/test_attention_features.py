@@ -79,6 +79,63 @@ def test_varlen_attention_honours_window_sinks_softcap_forward_and_backward(back
         assert_close(g, r.float(), name=f"grad {name}", atol=2e-5, rtol=2e-5)
 
 
+def _fake_torch_varlen(gqa: bool):
+    """A stand-in for torch.nn.attention.varlen.varlen_attn with torch 2.11's signature (no window, no GQA flag)
+    or one that takes `enable_gqa`, computing the dense fp64 answer; it records the head counts it was given."""
+    seen = []
+
+    def without_gqa(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, return_aux=None,
+                    scale=None):  # fmt: skip
+        seen.append((query.shape[1], key.shape[1], value.shape[1]))
+        assert query.shape[1] == key.shape[1] == value.shape[1], "this signature takes equal head counts only"
+        assert torch.equal(cu_seq_q, cu_seq_k) and cu_seq_q.dtype == torch.int32 and max_q == max_k
+        return dense_attention(query, key, value, cu_seq_q.long(), causal=is_causal, window=None, sinks=None,
+                               softcap=None).to(query.dtype)  # fmt: skip
+
+    def with_gqa(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, scale=None,
+                 enable_gqa=False):  # fmt: skip
+        seen.append((query.shape[1], key.shape[1], value.shape[1]))
+        assert enable_gqa == (query.shape[1] != key.shape[1])
+        return dense_attention(query, key, value, cu_seq_q.long(), causal=is_causal, window=None, sinks=None,
+                               softcap=None).to(query.dtype)  # fmt: skip
+
+    return (with_gqa if gqa else without_gqa), seen
+
+
+@pytest.mark.parametrize("gqa_flag", [False, True])
+def test_torch_varlen_backend_gets_grouped_query_heads_its_signature_takes(monkeypatch, gqa_flag):
+    """torch 2.10/2.11's varlen_attn has no enable_gqa (seen failing on an H200 with torch 2.11): K/V heads are
+    repeated for it, and passed as they are to a signature that takes the flag; forward and backward as dense."""
+    fake, seen = _fake_torch_varlen(gqa_flag)
+    monkeypatch.setattr(gk.attention, "_torch_varlen", lambda: fake)
+    cu = torch.tensor([0, 9, 9, 10, 23])
+    q = torch.randn(23, 4, 16).bfloat16().requires_grad_()  # the flash backends take half precision only
+    k, v = (torch.randn(23, 2, 16).bfloat16().requires_grad_() for _ in range(2))
+    out = varlen_attention(q, k, v, cu, 13, backend="torch_varlen")
+    assert seen == [(4, 2, 2) if gqa_flag else (4, 4, 4)]
+    ref = dense_attention(q, k, v, cu, causal=True, window=None, sinks=None, softcap=None)
+    assert_close(out, ref, name="forward", dtype=torch.bfloat16)
+    w = torch.randn(out.shape, dtype=torch.float64)
+    for name, g, r in zip("qkv", torch.autograd.grad((out.double() * w).sum(), (q, k, v)),
+                          torch.autograd.grad((ref * w).sum(), (q, k, v)), strict=True):  # fmt: skip
+        assert_close(g, r, name=f"grad {name}", dtype=torch.bfloat16)
+
+
+def test_flash_backends_are_picked_for_half_precision_only(monkeypatch):
+    """fp32 on CUDA went to torch's varlen_attn, which raised 'FlashAttention only support fp16 and bf16' (seen on
+    an H200): "auto" picks SDPA for it, and forcing a flash backend on fp32 is refused naming the dtype."""
+    fake, _ = _fake_torch_varlen(True)
+    monkeypatch.setattr(gk.attention, "_torch_varlen", lambda: fake)
+    monkeypatch.setattr(gk.attention, "_flash_attn", lambda: None)
+    cuda = torch.device("cuda")
+    assert gk.attention._pick_backend(cuda, set(), torch.bfloat16) == "torch_varlen"
+    assert gk.attention._pick_backend(cuda, set(), torch.float16) == "torch_varlen"
+    assert gk.attention._pick_backend(cuda, set(), torch.float32) == "sdpa"
+    q = k = v = torch.randn(5, 2, 8)
+    with pytest.raises(ValueError, match="float16 or bfloat16, got torch.float32"):
+        varlen_attention(q, k, v, torch.tensor([0, 5]), 5, backend="torch_varlen")
+
+
 def test_varlen_attention_refuses_bad_feature_arguments():
     q = k = v = torch.randn(5, 2, 8)
     cu = torch.tensor([0, 5])

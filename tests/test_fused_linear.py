@@ -5,8 +5,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import assert_close, assert_lowp_no_worse, device_for
-from test_loss_reference import LOSS_TYPES
+from helpers import LOSS_TYPES, assert_close, assert_lowp_no_worse, device_for
 
 import grpo_kernels as gk
 

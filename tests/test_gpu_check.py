@@ -33,3 +33,12 @@ def test_the_gpu_check_dry_run_passes_every_check_and_writes_its_table(tmp_path)
 def test_without_cuda_the_full_run_refuses_clearly():
     proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "no CUDA device" in proc.stderr
+
+
+def test_a_nan_error_fails_the_check_wherever_it_is_in_the_list():
+    sys.path.insert(0, str(SCRIPT.parent))
+    from gpu_check import _worst
+
+    nan = float("nan")
+    assert _worst([1e-6, 2e-6]) == 2e-6
+    assert all(not (_worst(e) <= 1.0) for e in ([nan, 0.1], [0.1, nan], [nan]))

@@ -5,8 +5,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import assert_close, assert_lowp_no_worse, device_for
-from test_loss_reference import LOSS_TYPES, trl_loss
+from helpers import LOSS_TYPES, assert_close, assert_lowp_no_worse, device_for
 
 import grpo_kernels as gk
 from grpo_kernels import reference
@@ -121,6 +120,8 @@ def test_every_option_matches_reference(impl, triton_device, loss_type, level, b
 )
 def test_matches_trl_own_loss_code(loss_type, level, beta):
     """Our default backend against TRL's _compute_loss itself (not only through the reference)."""
+    from test_loss_reference import trl_loss  # skips this test where TRL is not installed (the others still run)
+
     x = make_batch(5, 9, empty_row=False)
     num_items = x["mask"].sum() * 1.5
     inputs = {

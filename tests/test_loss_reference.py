@@ -10,14 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import LOSS_TYPES, assert_close
 
 from grpo_kernels import reference
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 trl_utils = pytest.importorskip("trl.trainer.utils")
-
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 
 
 def trl_loss(logps, inputs, *, loss_type, beta, level, eps_low=0.2, eps_high=0.28, delta=None, bias_kl=False,

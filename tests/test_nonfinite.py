@@ -11,12 +11,11 @@ fp64 reference: the behaviour documented in grpo_kernels.grpo_loss ("Non-finite 
 
 import pytest
 import torch
-from helpers import assert_close, device_for
+from helpers import LOSS_TYPES, assert_close, device_for
 from test_fused_linear import check as check_fused
 from test_fused_linear import make as make_fused
 from test_fused_linear import run as run_fused
 from test_loss import IMPLS, _small_triton_chunks, make_batch, oracle, run  # noqa: F401 (autouse fixture)
-from test_loss_reference import LOSS_TYPES
 
 NAN, BIG = float("nan"), 100.0  # exp(100) = 2.7e43 > FLT_MAX = 3.4e38; fp64 holds it
 # Per-sequence advantages of make_batch(6, ...): positive, zero, negative, positive, negative; row 5 is empty.

@@ -275,6 +275,9 @@ def gpu_section(paths: list) -> list:
         lines += [f"| {r['op']} | {r['shape']} | {r['provider']} | {r['value']} {r['unit']} | {r['rate']} | "
                   f"{r['vs_best_baseline']} |" for r in rows if r["kind"] != "check"]  # fmt: skip
         lines.append("")
+    notes = paths[0].parent / "gpu_notes.md"  # the reading of those runs, written by hand beside the CSVs
+    if notes.exists():
+        lines += [notes.read_text().strip(), ""]
     return lines
 
 

@@ -39,6 +39,7 @@ import math
 import os
 import random
 import sys
+import time
 from pathlib import Path
 
 from benchmarks import long_chains as lc
@@ -51,10 +52,10 @@ COLUMNS = ["timestamp", "device", "torch", "git_sha", "model", "provider", "dist
            "base_rss_mb", "real_tokens", "computed_tokens", "pad_tokens", "cap_mb", "load_before"]  # fmt: skip
 
 
-def points(quick: bool) -> list[dict]:
+def points(quick: bool, *, prompts: int = 4, min_len: int = 500, max_len: int = 8000) -> list[dict]:
     if quick:
         return [dict(dist="loguniform", group_size=2, prompts=2, min_len=16, max_len=128)]
-    return [dict(dist=dist, group_size=g, prompts=4, min_len=500, max_len=8000) for g in (8, 16)
+    return [dict(dist=dist, group_size=g, prompts=prompts, min_len=min_len, max_len=max_len) for g in (8, 16)
             for dist in DISTRIBUTIONS]  # fmt: skip
 
 
@@ -97,7 +98,7 @@ def best_rows(rows: list[dict]) -> dict:
     for r in rows:
         if r["status"] != "ok":
             continue
-        key = (r["provider"], r["dist"], str(r["group_size"]), str(r["prompts"]))
+        key = (r["provider"], r["dist"], str(r["group_size"]), str(r["prompts"]), str(r["min_len"]), str(r["max_len"]))
         if key not in out or float(r["step_s"]) < float(out[key]["step_s"]):
             out[key] = r
     return out
@@ -115,22 +116,24 @@ def report(csv_path: Path) -> Path:
              "time and peak RSS of each provider's fastest micro-batching that fits; the ratios are to TRL's best "
              "(trl_ckpt) at the same point; load: the 1-minute load average before the measurement (above 1: other "
              "work shared the cores, rerun the row).", "",
-             "| dist | G x prompts | provider | k | micro-batches | step s | peak MB | time vs TRL | peak vs TRL | "
-             "pad share | load |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for point in sorted({(r["dist"], r["group_size"], r["prompts"]) for r in rows}, key=lambda p: (int(p[1]), p[0])):
+             "| dist | lengths | G x prompts | provider | k | micro-batches | step s | peak MB | time vs TRL | "
+             "peak vs TRL | pad share | load |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    point_keys = {(r["dist"], r["group_size"], r["prompts"], r["min_len"], r["max_len"]) for r in rows}
+    for point in sorted(point_keys, key=lambda p: (int(p[4]), int(p[1]), p[0])):
         trl = best.get(("trl_ckpt", *point))
+        lead = f"| {point[0]} | {point[3]}-{point[4]} | {point[1]} x {point[2]} | "
         for provider in PROVIDERS:
             r = best.get((provider, *point))
             if r is None:
-                tried = [x["status"] for x in rows if (x["provider"], x["dist"], x["group_size"], x["prompts"]) ==
-                         (provider, *point)]  # fmt: skip
+                tried = [x["status"] for x in rows if (x["provider"], x["dist"], x["group_size"], x["prompts"],
+                                                       x["min_len"], x["max_len"]) == (provider, *point)]  # fmt: skip
                 if tried:
-                    lines.append(f"| {point[0]} | {point[1]} x {point[2]} | {provider} | - | - | - | - | - | - | - | "
-                                 f"{'; '.join(sorted(set(tried)))} |")  # fmt: skip
+                    lines.append(f"{lead}{provider} | - | - | - | - | - | - | - | {'; '.join(sorted(set(tried)))} |")
                 continue
             time_ratio, peak_ratio = (_ratio(r, trl, key) for key in ("step_s", "peak_rss_mb"))
             pad = float(r["pad_tokens"]) / float(r["computed_tokens"]) if float(r["computed_tokens"]) else 0.0
-            lines.append(f"| {point[0]} | {point[1]} x {point[2]} | {provider} | {r['k']} | {r['micro_batches']} | "
+            lines.append(f"{lead}{provider} | {r['k']} | {r['micro_batches']} | "
                          f"{float(r['step_s']):.1f} | {float(r['peak_rss_mb']):.0f} | {time_ratio} | {peak_ratio} | "
                          f"{pad:.0%} | {r['load_before']} |")  # fmt: skip
     lines += ["", "Every measured micro-batching (the search): the CSV beside this file.", ""]
@@ -150,7 +153,7 @@ def run(args) -> Path:
     sp = lc.sp_size(model_dir)
     prompt, _ = lc.prompt_ids(model_dir)
     providers = [p for p in PROVIDERS if p in args.providers.split(",")]
-    for point in points(args.quick):
+    for point in points(args.quick, prompts=args.prompts, min_len=args.min_len, max_len=args.max_len):
         if args.group_size and point["group_size"] != args.group_size or args.dist and point["dist"] != args.dist:
             continue
         drawn = lengths(point)
@@ -183,7 +186,7 @@ def measure_k(ctx: dict, provider: str, ranks: int, k: int) -> dict:
     if _key(row) in ctx["done"]:
         return ctx["done"][_key(row)]
     print(f"{provider:16s} {point} k={k}", flush=True)
-    row["load_before"] = round(os.getloadavg()[0], 2)  # other work on the cores skews step_s
+    row["load_before"] = round(_settled_load(), 2)  # other work on the cores skews step_s
     extra = {"micro_rows": row.get("micro_rows"), "token_budget": row.get("token_budget"), "lengths": drawn}
     row.update(lc.measure(provider, dict(point, sweep="best"), model_dir=ctx["model_dir"], cap_mb=cap_mb,
                           scratch=ctx["scratch"], timeout=args.timeout, mmap_threshold=args.mmap_threshold,
@@ -196,6 +199,15 @@ def measure_k(ctx: dict, provider: str, ranks: int, k: int) -> dict:
     lc._append(ctx["csv_path"], row, COLUMNS)
     ctx["done"][_key(row)] = row
     return row
+
+
+def _settled_load(limit: float = 1.0, wait_s: float = 180.0) -> float:
+    """The 1-minute load average once it is below limit (waiting up to wait_s): right after the previous
+    measurement it still counts that process for a minute, which is not other work."""
+    deadline = time.monotonic() + wait_s
+    while os.getloadavg()[0] >= limit and time.monotonic() < deadline:
+        time.sleep(5)
+    return os.getloadavg()[0]
 
 
 def _key(row) -> tuple:
@@ -211,6 +223,9 @@ def main(argv=None) -> int:
     parser.add_argument("--providers", default=",".join(PROVIDERS), help="a subset of " + ", ".join(PROVIDERS))
     parser.add_argument("--group-size", type=int, default=0, help="only the points with this G (0: all)")
     parser.add_argument("--dist", choices=DISTRIBUTIONS, help="only the points with this length distribution")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per step (groups of G completions)")
+    parser.add_argument("--min-len", type=int, default=500, help="the shortest completion length drawn")
+    parser.add_argument("--max-len", type=int, default=8000, help="the longest completion length drawn")
     parser.add_argument("--confirm", action="store_true",
                         help="measure more micro-batches past the first fit while each is faster (hours more)")
     parser.add_argument("--timeout", type=float, default=4 * 3600.0, help="seconds one measurement may take")
@@ -218,6 +233,9 @@ def main(argv=None) -> int:
     parser.add_argument("--csv", type=Path, help="rows go here instead of benchmarks/results/long_chains/")
     parser.add_argument("--plot-only", action="store_true", help="rebuild the report from the CSV")
     args = parser.parse_args(argv)
+    if args.prompts < 1 or not 1 <= args.min_len <= args.max_len:
+        parser.error(f"need --prompts >= 1 and 1 <= --min-len <= --max-len, got {args.prompts}, {args.min_len}, "
+                     f"{args.max_len}")  # fmt: skip
     unknown = set(args.providers.split(",")) - set(PROVIDERS)
     if unknown:
         parser.error(f"unknown provider: {', '.join(sorted(unknown))} (known: {', '.join(PROVIDERS)})")

@@ -39,6 +39,7 @@
 
 #include "grpo_ops.h"
 
+#include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 

@@ -2,7 +2,9 @@
 // bound here. The spec of every op is grpo_kernels/reference.py; the Python side registers these functions as the
 // CPU kernels of the torch.ops.grpo_kernels ops.
 
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/python.h>  // the Tensor <-> Python casters (not torch/extension.h: the whole C++ frontend)
 
 #include "grpo_ops.h"
 

@@ -1,8 +1,11 @@
-// The C++ CPU kernels of grpo_kernels, as grpo_ops.cpp binds them. The kernel sources include only ATen (a quarter
-// of torch/extension.h's compile time); grpo_ops.cpp alone includes pybind11 and holds every binding.
+// The C++ CPU kernels of grpo_kernels, as grpo_ops.cpp binds them. The kernel sources include only the Tensor class
+// and the few ATen functions they call (the per-operator headers), not <ATen/ATen.h>, which declares every operator
+// and was most of each file's compile time; grpo_ops.cpp alone includes pybind11 and holds every binding.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 
 #include <cstdint>
 #include <optional>

@@ -181,6 +181,8 @@ def test_best_search_stops_after_the_fastest_fitting_micro_batching():
 def test_best_lengths_are_seeded_in_range_and_follow_their_distribution():
     from benchmarks.long_chains_best import lengths, points
 
+    assert {(p["prompts"], p["min_len"], p["max_len"]) for p in points(False, prompts=2, min_len=250, max_len=2000)} \
+        == {(2, 250, 2000)}  # a smaller step (the options)
     uniform, tail = (p for p in points(False) if p["group_size"] == 16)
     for point in (uniform, tail):
         drawn = lengths(point)
@@ -198,21 +200,24 @@ def test_best_report_takes_each_providers_fastest_fitting_row_against_trls(tmp_p
 
     def row(provider, k, status, step_s="", peak=""):
         return {c: "" for c in COLUMNS} | dict(provider=provider, dist="loguniform", group_size=8, prompts=4, k=k,
+                                                min_len=500, max_len=8000 if k < 16 else 2000,
                                                 micro_batches=k, status=status, step_s=step_s, peak_rss_mb=peak,
                                                 computed_tokens=100, pad_tokens=50 if provider == "trl_ckpt" else 0,
                                                 load_before=0.1)  # fmt: skip
 
     path = tmp_path / "best.csv"
     rows = [row("trl_ckpt", 1, "over_cap"), row("trl_ckpt", 2, "ok", 100, 8000), row("trl_ckpt", 4, "ok", 110, 6000),
-            row("gk_blocks", 1, "ok", 70, 4000), row("gk_blocks", 2, "ok", 75, 3000), row("gk_sp", 1, "over_cap")]
+            row("gk_blocks", 1, "ok", 70, 4000), row("gk_blocks", 2, "ok", 75, 3000), row("gk_sp", 1, "over_cap"),
+            row("gk_blocks", 16, "ok", 1, 1)]  # another point (lengths up to 2000): not the best of the one above
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
     text = report(path).read_text()
-    assert "| loguniform | 8 x 4 | trl_ckpt | 2 | 2 | 100.0 | 8000 | 1.00x | 1.00x | 50% | 0.1 |" in text
-    assert "| loguniform | 8 x 4 | gk_blocks | 1 | 1 | 70.0 | 4000 | 0.70x | 0.50x | 0% | 0.1 |" in text
-    assert "| loguniform | 8 x 4 | gk_sp | - | - | - | - | - | - | - | over_cap |" in text
+    assert "| loguniform | 500-8000 | 8 x 4 | trl_ckpt | 2 | 2 | 100.0 | 8000 | 1.00x | 1.00x | 50% | 0.1 |" in text
+    assert "| loguniform | 500-8000 | 8 x 4 | gk_blocks | 1 | 1 | 70.0 | 4000 | 0.70x | 0.50x | 0% | 0.1 |" in text
+    assert "| loguniform | 500-8000 | 8 x 4 | gk_sp | - | - | - | - | - | - | - | over_cap |" in text
+    assert "| loguniform | 500-2000 | 8 x 4 | gk_blocks | 16 | 16 | 1.0 | 1 | - | - | 0% | 0.1 |" in text
 
 
 @pytest.mark.slow

@@ -42,3 +42,10 @@ def test_a_nan_error_fails_the_check_wherever_it_is_in_the_list():
     nan = float("nan")
     assert _worst([1e-6, 2e-6]) == 2e-6
     assert all(not (_worst(e) <= 1.0) for e in ([nan, 0.1], [0.1, nan], [nan]))
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA: the profile would run")
+def test_the_gpu_profile_imports_and_refuses_clearly_without_cuda():
+    script = SCRIPT.parent / "gpu_profile.py"
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "no CUDA device" in proc.stderr, proc.stderr[-2000:]

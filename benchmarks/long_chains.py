@@ -159,6 +159,119 @@ def _watch(cap_mb: float) -> None:
     threading.Thread(target=loop, daemon=True).start()
 
 
+def settled_load(limit: float = 1.0, wait_s: float = 180.0) -> float:
+    """The 1-minute load average once it is below limit (waiting up to wait_s): right after the previous
+    measurement it still counts that process for a minute, which is not other work."""
+    deadline = time.monotonic() + wait_s
+    while os.getloadavg()[0] >= limit and time.monotonic() < deadline:
+        time.sleep(5)
+    return os.getloadavg()[0]
+
+
+def _label_blocks(blocks, spec: dict) -> None:
+    """Profiling (spec "profile"): each decoder block's own forward runs in a profiler range "block", so the
+    profile tells the forward's blocks from the backward's recompute of them. Wraps the forward the checkpoint
+    calls (apply before checkpoint_blocks; HF's gradient checkpointing calls the module, which calls forward)."""
+    if not spec.get("profile"):
+        return
+    import functools
+
+    import torch
+
+    def labelled(forward, *args, **kwargs):
+        with torch.profiler.record_function("block"):
+            return forward(*args, **kwargs)
+
+    for block in blocks:
+        block.forward = functools.partial(labelled, block.forward)
+
+
+def _timed(step, spec: dict):
+    """(step's result, seconds): step() timed; with spec "profile" (a path) under torch's profiler (CPU ops), whose
+    summary (profile_summary) is written there as JSON."""
+    if not spec.get("profile"):
+        start = time.perf_counter()
+        out = step()
+        return out, time.perf_counter() - start
+    import torch
+
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        out = step()
+        elapsed = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    summary = profile_summary(prof.events(), elapsed)
+    summary.update(user_cpu_s=after.ru_utime - before.ru_utime, system_cpu_s=after.ru_stime - before.ru_stime,
+                   minor_faults=after.ru_minflt - before.ru_minflt)  # fmt: skip
+    Path(spec["profile"]).write_text(json.dumps(summary, indent=1))
+    return out, elapsed
+
+
+# op name -> category of the profile table, the first match wins: an aten name matches itself and its "_" variants
+# (aten::index: aten::index_select, aten::index_put_), another pattern anywhere in the name. Self times, so every
+# microsecond counts once.
+CATEGORIES = (
+    ("attention", ("scaled_dot_product", "flash_attention", "efficient_attention", "varlen")),
+    ("matmul (projections, MLP, head)", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
+                                         "aten::linear")),
+    ("copies and views (cat, split, index, pad)", ("aten::copy_", "aten::cat", "aten::clone", "aten::contiguous",
+                                                     "aten::index", "aten::_to_copy", "aten::to", "aten::stack",
+                                                     "aten::gather", "aten::scatter", "aten::constant_pad_nd",
+                                                     "aten::pad", "aten::repeat", "aten::narrow_copy",
+                                                     "aten::split", "aten::slice", "aten::select", "aten::view",
+                                                     "aten::reshape", "aten::expand", "aten::transpose",
+                                                     "aten::as_strided", "aten::unsqueeze", "aten::t")),
+    ("allocation (empty, zeros, fill)", ("aten::empty", "aten::zeros", "aten::zero_", "aten::fill_",
+                                         "aten::resize", "aten::new_empty", "aten::new_zeros", "aten::ones",
+                                         "aten::full")),
+    ("optimizer (AdamW)", ("Optimizer.", "aten::_foreach", "aten::lerp", "aten::addcmul", "aten::addcdiv")),
+    ("autograd engine", ("autograd::", "Backward", "torch::autograd")),
+)  # fmt: skip
+OTHER = "elementwise, norms, activations, reductions"
+
+
+def _category(name: str) -> str:
+    for label, prefixes in CATEGORIES:
+        if any(name == p or name.startswith(p + "_") if p.startswith("aten::") else p in name for p in prefixes):
+            return label
+    return OTHER
+
+
+def profile_summary(events, step_s: float) -> dict:
+    """A step's profile in ms: self CPU time per category and the top ops; its phases by time (forward with the
+    loss until the backward's first autograd node; the optimizer's step; the backward between them, of which
+    "recompute" is the blocks' forward run again inside it, the "block" ranges)."""
+    events = [e for e in events if e.time_range.elapsed_us() >= 0]
+    by_op, by_cat = {}, {}
+    for e in events:
+        us = e.self_cpu_time_total
+        if e.name in ("block",):  # a label, not work: its self time is the Python around the block's ops
+            by_cat["Python and glue (blocks)"] = by_cat.get("Python and glue (blocks)", 0.0) + us
+            continue
+        by_op[e.name] = by_op.get(e.name, 0.0) + us
+        cat = _category(e.name)
+        by_cat[cat] = by_cat.get(cat, 0.0) + us
+    starts = [e.time_range.start for e in events]
+    t0 = min(starts)
+    backward = min((e.time_range.start for e in events if e.name.startswith("autograd::engine::evaluate_function")),
+                   default=None)  # fmt: skip
+    opt = min((e.time_range.start for e in events if e.name.startswith("Optimizer.step")), default=None)
+    end = max(e.time_range.end for e in events)
+    phases = {}
+    if backward is not None and opt is not None:
+        blocks = [e for e in events if e.name == "block"]
+        recompute = sum(e.time_range.elapsed_us() for e in blocks if backward <= e.time_range.start < opt)
+        fwd_blocks = sum(e.time_range.elapsed_us() for e in blocks if e.time_range.start < backward)
+        phases = {"forward and loss": backward - t0, "of which decoder blocks": fwd_blocks,
+                  "backward": opt - backward, "of which recompute": recompute, "optimizer": end - opt}  # fmt: skip
+    ms = lambda d: {k: round(v / 1000, 1) for k, v in sorted(d.items(), key=lambda kv: -kv[1])}  # noqa: E731
+    top = dict(list(ms(by_op).items())[:15])
+    return dict(step_ms=round(step_s * 1000, 1), profiled_ms=round(sum(by_cat.values()) / 1000, 1),
+                phases_ms={k: round(v / 1000, 1) for k, v in phases.items()}, categories_ms=ms(by_cat),
+                top_ops_ms=top)  # fmt: skip
+
+
 def prompt_ids(model_dir: str) -> tuple[list[int], list[int]]:
     """(the prompt's token ids, the tokenizer's special ids): PROMPT through the chat template when the tokenizer has
     one; a model without one (the tiny character model) gets a prompt of its own characters of about that length."""
@@ -222,6 +335,7 @@ def _trl_step(spec: dict, model_dir: str) -> dict:
         raise RuntimeError(f"{provider}: gradient checkpointing is {model.is_gradient_checkpointing}, "
                            f"asked {args.gradient_checkpointing}")  # fmt: skip
     model.train()
+    _label_blocks(model.model.layers, spec)
     trainer.current_gradient_accumulation_steps = 1
     prompt, completions, rewards = _inputs(spec, model.config.vocab_size)
     longest = max(c.numel() for c in completions)
@@ -261,9 +375,7 @@ def _trl_step(spec: dict, model_dir: str) -> dict:
     step({k: v[:2, :8] if k.startswith("completion") else v[:2] for k, v in inputs.items() if k != "num_items_in_batch"}
          | {"num_items_in_batch": mask[:2, :8].sum()})  # warm-up: first calls, Adam's state  # fmt: skip
     base = _rss_mb()
-    start = time.perf_counter()
-    loss = step(inputs)
-    elapsed = time.perf_counter() - start
+    loss, elapsed = _timed(lambda: step(inputs), spec)
     real = b * prompt.numel() + sum(c.numel() for c in completions)
     computed = b * (prompt.numel() + longest)  # the padded batch
     if packing:  # one packed row: each prompt once, the completions without pads
@@ -285,6 +397,7 @@ def _gk_step(spec: dict, model_dir: str) -> dict:
     sp = spec["sp"]
     d = init_distributed("gloo", sequence_parallel=sp) if sp > 1 else None
     model, _ = load_policy(model_dir, dtype="float32")
+    _label_blocks(model.base_model.layers, spec)
     if provider != "gk_none":
         checkpoint_blocks(model.base_model.layers, "selective" if provider == "gk_selective" else "blocks")
     if provider == "gk_tiled":
@@ -314,9 +427,7 @@ def _gk_step(spec: dict, model_dir: str) -> dict:
                    sampler_logps=[torch.zeros(8)] * 2, group_size=2).with_rewards([0.0, 1.0])  # fmt: skip
     step(warm, prompt.numel() + 16)  # warm-up: first calls, Adam's state
     base = _rss_mb()
-    start = time.perf_counter()
-    metrics = step(rollout, budget)
-    elapsed = time.perf_counter() - start
+    metrics, elapsed = _timed(lambda: step(rollout, budget), spec)
     pad = budget * sp - packed
     return dict(step_s=elapsed, real_tokens=real, computed_tokens=packed + max(pad, 0), pad_tokens=max(pad, 0),
                 base_rss_mb=base, loss=metrics["loss"], rank=0 if d is None else d.rank,
@@ -456,7 +567,7 @@ def run(args) -> Path:
             row["status"] = "skipped: a smaller point of this sweep was over the cap"
         else:
             print(f"{provider:11s} {point}", flush=True)
-            row["load_before"] = round(os.getloadavg()[0], 2)  # other work on the cores skews step_s
+            row["load_before"] = round(settled_load(), 2)  # other work on the cores skews step_s
             row.update(measure(provider, point, model_dir=model_dir, cap_mb=cap_mb, scratch=scratch,
                                timeout=args.timeout, mmap_threshold=args.mmap_threshold))  # fmt: skip
             print(f"            -> {row['status']}" + (f", {row['peak_rss_mb']:.0f} MB peak, {row['step_s']:.1f} s"

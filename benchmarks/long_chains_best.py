@@ -36,10 +36,8 @@ peak), with the 1-minute load before each measurement (a row measured beside oth
 import argparse
 import functools
 import math
-import os
 import random
 import sys
-import time
 from pathlib import Path
 
 from benchmarks import long_chains as lc
@@ -186,7 +184,7 @@ def measure_k(ctx: dict, provider: str, ranks: int, k: int) -> dict:
     if _key(row) in ctx["done"]:
         return ctx["done"][_key(row)]
     print(f"{provider:16s} {point} k={k}", flush=True)
-    row["load_before"] = round(_settled_load(), 2)  # other work on the cores skews step_s
+    row["load_before"] = round(lc.settled_load(), 2)  # other work on the cores skews step_s
     extra = {"micro_rows": row.get("micro_rows"), "token_budget": row.get("token_budget"), "lengths": drawn}
     row.update(lc.measure(provider, dict(point, sweep="best"), model_dir=ctx["model_dir"], cap_mb=cap_mb,
                           scratch=ctx["scratch"], timeout=args.timeout, mmap_threshold=args.mmap_threshold,
@@ -199,15 +197,6 @@ def measure_k(ctx: dict, provider: str, ranks: int, k: int) -> dict:
     lc._append(ctx["csv_path"], row, COLUMNS)
     ctx["done"][_key(row)] = row
     return row
-
-
-def _settled_load(limit: float = 1.0, wait_s: float = 180.0) -> float:
-    """The 1-minute load average once it is below limit (waiting up to wait_s): right after the previous
-    measurement it still counts that process for a minute, which is not other work."""
-    deadline = time.monotonic() + wait_s
-    while os.getloadavg()[0] >= limit and time.monotonic() < deadline:
-        time.sleep(5)
-    return os.getloadavg()[0]
 
 
 def _key(row) -> tuple:

@@ -189,7 +189,7 @@ def report(csv_path: Path) -> None:
         print(f"| {r['sweep']} | {r['group_size']} | {r['min_len']}-{r['max_len']} | {r['provider']} | {r['status']} | "
               f"{r['peak_rss_mb']} | {r['step_s']} | {r['tokens_per_s']} | {r['padding_fraction']} |")  # fmt: skip
     config = _model_config(rows[-1]["model"])
-    if config is not None:
+    if config is not None and csv_path.name == f"long_chains_{rows[-1]['model']}.csv":  # the main CSV's fit only
         (csv_path.parent / "memory_model.md").write_text(memory_model(rows, config))
     _plot(rows, csv_path.with_suffix(".png"))
 

@@ -195,11 +195,21 @@ def _timed(step, spec: dict):
         return out, time.perf_counter() - start
     import torch
 
+    plain_backward = torch.Tensor.backward
+
+    def backward(self, *args, **kwargs):  # the backward phase, told from autograd.grad calls inside a forward
+        with torch.profiler.record_function("phase:backward"):
+            return plain_backward(self, *args, **kwargs)
+
     before = resource.getrusage(resource.RUSAGE_SELF)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
-        out = step()
-        elapsed = time.perf_counter() - start
+    torch.Tensor.backward = backward
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            out = step()
+            elapsed = time.perf_counter() - start
+    finally:
+        torch.Tensor.backward = plain_backward
     after = resource.getrusage(resource.RUSAGE_SELF)
     summary = profile_summary(prof.events(), elapsed)
     summary.update(user_cpu_s=after.ru_utime - before.ru_utime, system_cpu_s=after.ru_stime - before.ru_stime,
@@ -238,33 +248,33 @@ def _category(name: str) -> str:
     return OTHER
 
 
+LABELS = ("block", "phase:backward")  # profiler ranges set here: their self time is the Python between the ops
+
+
 def profile_summary(events, step_s: float) -> dict:
-    """A step's profile in ms: self CPU time per category and the top ops; its phases by time (forward with the
-    loss until the backward's first autograd node; the optimizer's step; the backward between them, of which
-    "recompute" is the blocks' forward run again inside it, the "block" ranges)."""
+    """A step's profile in ms: self CPU time per category and the top ops; its phases by time: "backward" the
+    Tensor.backward calls (the "phase:backward" ranges), of which "recompute" the blocks' forward run again inside
+    them (the "block" ranges); "optimizer" its step; "forward and loss" the rest of the step (a loss that computes
+    gradients in its forward with torch.autograd.grad, as the fused head does, counts there)."""
     events = [e for e in events if e.time_range.elapsed_us() >= 0]
     by_op, by_cat = {}, {}
     for e in events:
         us = e.self_cpu_time_total
-        if e.name in ("block",):  # a label, not work: its self time is the Python around the block's ops
-            by_cat["Python and glue (blocks)"] = by_cat.get("Python and glue (blocks)", 0.0) + us
+        if e.name in LABELS:
+            by_cat["Python and glue"] = by_cat.get("Python and glue", 0.0) + us
             continue
         by_op[e.name] = by_op.get(e.name, 0.0) + us
         cat = _category(e.name)
         by_cat[cat] = by_cat.get(cat, 0.0) + us
-    starts = [e.time_range.start for e in events]
-    t0 = min(starts)
-    backward = min((e.time_range.start for e in events if e.name.startswith("autograd::engine::evaluate_function")),
-                   default=None)  # fmt: skip
-    opt = min((e.time_range.start for e in events if e.name.startswith("Optimizer.step")), default=None)
-    end = max(e.time_range.end for e in events)
-    phases = {}
-    if backward is not None and opt is not None:
-        blocks = [e for e in events if e.name == "block"]
-        recompute = sum(e.time_range.elapsed_us() for e in blocks if backward <= e.time_range.start < opt)
-        fwd_blocks = sum(e.time_range.elapsed_us() for e in blocks if e.time_range.start < backward)
-        phases = {"forward and loss": backward - t0, "of which decoder blocks": fwd_blocks,
-                  "backward": opt - backward, "of which recompute": recompute, "optimizer": end - opt}  # fmt: skip
+    spans = lambda name: [(e.time_range.start, e.time_range.end) for e in events if e.name.startswith(name)]  # noqa
+    backward, optimizer = spans("phase:backward"), spans("Optimizer.step")
+    inside = lambda t: any(a <= t < b for a, b in backward)  # noqa: E731
+    blocks = [e for e in events if e.name == "block"]
+    recompute = sum(e.time_range.elapsed_us() for e in blocks if inside(e.time_range.start))
+    phases = {"forward and loss": step_s * 1e6 - sum(b - a for a, b in backward + optimizer),
+              "of which decoder blocks": sum(e.time_range.elapsed_us() for e in blocks) - recompute,
+              "backward": sum(b - a for a, b in backward), "of which recompute": recompute,
+              "optimizer": sum(b - a for a, b in optimizer)}  # fmt: skip
     ms = lambda d: {k: round(v / 1000, 1) for k, v in sorted(d.items(), key=lambda kv: -kv[1])}  # noqa: E731
     top = dict(list(ms(by_op).items())[:15])
     return dict(step_ms=round(step_s * 1000, 1), profiled_ms=round(sum(by_cat.values()) / 1000, 1),
@@ -567,7 +577,8 @@ def run(args) -> Path:
             row["status"] = "skipped: a smaller point of this sweep was over the cap"
         else:
             print(f"{provider:11s} {point}", flush=True)
-            row["load_before"] = round(settled_load(), 2)  # other work on the cores skews step_s
+            # other work on the cores skews step_s; the smoke test (quick) does not wait for an idle machine
+            row["load_before"] = round(settled_load(wait_s=0 if quick else 180), 2)
             row.update(measure(provider, point, model_dir=model_dir, cap_mb=cap_mb, scratch=scratch,
                                timeout=args.timeout, mmap_threshold=args.mmap_threshold))  # fmt: skip
             print(f"            -> {row['status']}" + (f", {row['peak_rss_mb']:.0f} MB peak, {row['step_s']:.1f} s"

@@ -108,7 +108,7 @@ def main(argv=None) -> int:
         for provider in providers:
             with tempfile.TemporaryDirectory() as tmp:
                 path = Path(tmp) / "profile.json"
-                load = round(lc.settled_load(), 2)
+                load = round(lc.settled_load(wait_s=0 if args.quick else 180), 2)
                 print(f"{provider}: {group} x {length} (load {load})", flush=True)
                 row = lc.measure(provider, point, model_dir=model_dir, cap_mb=args.cap_gb * 1024, scratch=scratch,
                                  timeout=args.timeout, mmap_threshold=2**20, extra={"profile": str(path)})  # fmt: skip

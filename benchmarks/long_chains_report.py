@@ -5,6 +5,8 @@ CSV only; `python benchmarks/long_chains.py --plot-only` rebuilds it."""
 import csv
 from pathlib import Path
 
+RESULTS = Path(__file__).resolve().parent / "results" / "long_chains"
+
 PROVIDERS = ("trl_ckpt", "trl_nockpt", "fused_trl", "fused_trl_packed", "gk_none", "gk_blocks", "gk_selective",
              "gk_tiled", "gk_sp")  # every provider long_chains.py measures, in the report's order
 
@@ -189,7 +191,9 @@ def report(csv_path: Path) -> None:
         print(f"| {r['sweep']} | {r['group_size']} | {r['min_len']}-{r['max_len']} | {r['provider']} | {r['status']} | "
               f"{r['peak_rss_mb']} | {r['step_s']} | {r['tokens_per_s']} | {r['padding_fraction']} |")  # fmt: skip
     config = _model_config(rows[-1]["model"])
-    if config is not None and csv_path.name == f"long_chains_{rows[-1]['model']}.csv":  # the main CSV's fit only
+    # beside the committed CSVs, memory_model.md is the main CSV's fit (a side sweep's CSV there has fewer providers)
+    side = csv_path.resolve().parent == RESULTS and csv_path.name != f"long_chains_{rows[-1]['model']}.csv"
+    if config is not None and not side:
         (csv_path.parent / "memory_model.md").write_text(memory_model(rows, config))
     _plot(rows, csv_path.with_suffix(".png"))
 

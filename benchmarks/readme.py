@@ -256,6 +256,23 @@ def learning_vs_trl_section(results: Path, name: str = "learning_vs_trl",
     return lines
 
 
+def profile_section(results: Path) -> list:
+    """Where a long-chain step's time goes (benchmarks/long_chains_profile.py), from its own report and the reading
+    beside it."""
+    lines = []
+    for md in sorted((results / "long_chains").glob("profile_*.md")):
+        if md.stem.endswith("_reading"):
+            continue
+        text = md.read_text().strip().splitlines()
+        title = text[0].removeprefix("# ")
+        lines += [f"**Long chains: {title[0].lower()}{title[1:]}** (`benchmarks/results/long_chains/{md.name}`).",
+                  *text[1:], ""]  # fmt: skip
+        reading = md.with_name(md.stem + "_reading.md")  # written by hand from the table, committed beside it
+        if reading.exists():
+            lines += [reading.read_text().strip(), ""]
+    return lines
+
+
 def gpu_section(paths: list) -> list:
     if not paths:
         return ["**GPU:** no numbers yet. No GPU has been available to this project; the Triton kernels are checked "
@@ -306,6 +323,7 @@ def render(results: Path = RESULTS) -> str:
     lines += learning_vs_trl_section(results)
     lines += learning_vs_trl_section(results, "learning_vs_trl_format_weight0",
                                      "the same run without the bare-integer bonus (task.format_weight = 0)")
+    lines += profile_section(results)
     lines += gpu_section(sorted(p for p in results.glob("gpu_check_*.csv") if "dry-run" not in p.name))
     return "\n".join(lines).rstrip() + "\n"
 

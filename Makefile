@@ -35,7 +35,8 @@ TRACKING_STAMP := .venv/.tracking-stamp
 TRAINERS_VENV := .venv-trainers
 TRAINERS_STAMP := $(TRAINERS_VENV)/.setup-stamp
 
-.PHONY: setup setup-vllm setup-smollm2 setup-aot-compat setup-trainers setup-tracking build demo smollm2 test aot-compat bench lint docs clean
+.PHONY: setup setup-vllm setup-smollm2 setup-aot-compat setup-trainers setup-tracking build demo smollm2 test \
+	test-setup-venv test-setup-side aot-compat bench lint docs clean
 
 setup: build
 
@@ -86,11 +87,14 @@ $(TRAINERS_STAMP): $(STAMP) Makefile
 		"$$($(TRAINERS_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/grpo-main-venv.pth"
 	touch $@
 
-# Incremental (ninja) rebuild of grpo_kernels._C after a change in csrc/.
+# Incremental (ninja) rebuild of grpo_kernels._C after a change in csrc/. The project's modules are byte-compiled
+# here: where PYTHONDONTWRITEBYTECODE is set (as on CI) Python writes no cache on import, and each of the suite's many
+# processes would compile every project module it imports again.
 build: $(STAMP)
 	@mkdir -p build
 	@$(PY) setup.py build_ext --inplace > build/build.log 2>&1 || (cat build/build.log; exit 1)
 	$(PY) -c "import grpo_kernels._C"
+	@$(PY) -m compileall -q grpo_kernels benchmarks tests > /dev/null
 
 demo: setup
 	$(PY) -m grpo_kernels.cli demo
@@ -108,10 +112,21 @@ smollm2: setup setup-vllm setup-smollm2
 # of them); the tests that start processes of their own run one at a time, and the vLLM modules with a module fixture
 # stay on one worker (tests/conftest.py, XDIST_GROUPS; pytest<9.2 in constraints.txt, with which the groups hold).
 # tests/trainers (the verl and OpenRLHF drop-ins against those packages) runs in their side venv.
+# The set-up runs in two lanes at once (pip is single-threaded; two cores): the installs into .venv one after
+# another, beside the side venvs of the drop-in oracles and the old Triton, which read .venv only once it is built.
 TEST_WORKERS ?= 2
-test: setup setup-vllm setup-smollm2 setup-trainers setup-tracking lint aot-compat
+test:
+	$(MAKE) setup
+	$(MAKE) -j2 test-setup-venv test-setup-side
+	$(MAKE) lint aot-compat
 	GRPO_REQUIRE_VLLM=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 	$(TRAINERS_VENV)/bin/python -m pytest -q tests/trainers
+
+test-setup-venv: $(STAMP)
+	$(MAKE) -j1 setup-vllm setup-smollm2 setup-tracking
+
+test-setup-side: $(STAMP)
+	$(MAKE) -j1 setup-trainers setup-aot-compat
 
 # The documentation site (docs/, mkdocs.yml) into site/; strict: a warning (a broken link, a bad docstring) fails.
 docs: setup

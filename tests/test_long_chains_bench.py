@@ -5,6 +5,7 @@ import csv
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -239,3 +240,60 @@ def test_trl_micro_batches_are_slices_of_the_padded_step_and_train_in_one_proces
     assert row["micro_batches"] == 4 and row["step_s"] > 0
     prompt = len(lc.prompt_ids(model)[0])
     assert row["computed_tokens"] == 4 * (prompt + 64) and row["real_tokens"] == 4 * prompt + sum(drawn)
+
+
+# benchmarks/long_chains_profile.py: where a step's time goes, by phase and kind of op.
+
+
+@pytest.mark.parametrize("mode", ["blocks", "none"])
+def test_profile_tells_the_backwards_recompute_from_the_forward(tmp_path, mode):
+    import json
+
+    import torch
+
+    from benchmarks import long_chains as lc
+    from benchmarks.long_chains_profile import table
+    from grpo_kernels import fused_linear_grpo_loss
+    from grpo_kernels.train.fsdp import checkpoint_blocks
+
+    torch.manual_seed(0)
+    mlp = lambda: torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.SiLU(), torch.nn.Linear(256, 64))  # noqa
+    blocks = torch.nn.ModuleList(mlp() for _ in range(3))
+    spec = {"profile": str(tmp_path / "p.json")}
+    lc._label_blocks(blocks, spec)
+    if mode != "none":
+        checkpoint_blocks(blocks, mode)
+    optimizer = torch.optim.AdamW(blocks.parameters())
+    x = torch.randn(512, 64, requires_grad=True)
+
+    head = torch.nn.Linear(64, 20000, bias=False)  # most of the forward's time
+    forward_s = []
+
+    def step():
+        start = time.perf_counter()
+        h = x
+        for block in blocks:
+            h = h + block(h)
+        # the fused head, which computes its gradients in its forward (torch.autograd.grad): forward, not backward
+        loss, _ = fused_linear_grpo_loss(h.view(4, 128, 64), head.weight, torch.randint(0, 20000, (4, 128)),
+                                         torch.tensor([1.0, -1.0, 0.5, -0.5]), mask=torch.ones(4, 128))  # fmt: skip
+        forward_s.append(time.perf_counter() - start)
+        loss.backward()
+        optimizer.step()
+
+    _, seconds = lc._timed(step, spec)
+    s = json.loads((tmp_path / "p.json").read_text())
+    phases, cats = s["phases_ms"], s["categories_ms"]
+    assert seconds > 0 and set(phases) == {"forward and loss", "of which decoder blocks", "backward",
+                                           "of which recompute", "optimizer"}  # fmt: skip
+    assert 0 < phases["of which decoder blocks"] <= phases["forward and loss"]
+    assert phases["forward and loss"] >= 0.9 * forward_s[0] * 1000  # the head's forward is not in the backward
+    if mode == "blocks":  # the backward runs each block's forward again
+        assert 0 < phases["of which recompute"] <= phases["backward"]
+    else:
+        assert phases["of which recompute"] == 0
+    assert cats["matmul (projections, MLP, head)"] > 0 and cats["optimizer (AdamW)"] > 0
+    assert "aten::mm" in s["top_ops_ms"] and s["user_cpu_s"] > 0  # the head's matmuls
+    row = dict(s, model="toy", group_size=2, length=8, load_before=0.5, computed_tokens=16)
+    text = table({"gk_blocks": row})
+    assert "| phase: of which recompute s |" in text and "| ops: matmul (projections, MLP, head) s |" in text

@@ -1,7 +1,8 @@
-"""`grpo-kernels train` with sequence parallelism (torchrun, gloo): 1 rank, SP = 2, DP = 2 and DP = 2 x SP = 2
-train the same (same losses, same weights after two optimizer steps), with shared prompt prefixes and GSPO's
-sequence-level weights, and DP = 2 x SP = 2 with the sequence-tiled MLP on top (FSDP2-sharded blocks whose MLP
-tiles are checkpoints nested in the block's); the layout errors are one line, before anything is written."""
+"""`grpo-kernels train` with sequence parallelism (torchrun, gloo): 1 rank, SP = 2 and DP = 2 x SP = 2 train the
+same (same losses, same weights after two optimizer steps), with shared prompt prefixes and GSPO's sequence-level
+weights, and DP = 2 x SP = 2 with the sequence-tiled MLP on top (FSDP2-sharded blocks whose MLP tiles are checkpoints
+nested in the block's); the layout errors are one line, before anything is written. DP = 2 alone against one rank is
+tests/test_train_distributed.py's; here it is inside DP = 2 x SP = 2."""
 
 import json
 import os
@@ -45,11 +46,10 @@ def _weights(checkpoint):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_one_rank_sp2_dp2_and_dp2_sp2_train_the_same(tmp_path):
+def test_one_rank_sp2_and_dp2_sp2_train_the_same(tmp_path):
     runs = {
         "one": (1, [f"--packing.token_budget={2 * BUDGET}"]),
         "sp2": (2, [f"--packing.token_budget={BUDGET}", "--distributed.sequence_parallel=2"]),
-        "dp2": (2, [f"--packing.token_budget={2 * BUDGET}"]),
         "dp2_sp2": (4, [f"--packing.token_budget={BUDGET}", "--distributed.sequence_parallel=2",
                         "--model.mlp_tile_tokens=5"]),  # a rank's <= 12 tokens in tiles of 5
     }
@@ -62,7 +62,7 @@ def test_one_rank_sp2_dp2_and_dp2_sp2_train_the_same(tmp_path):
     base = metrics["one"]
     assert [r["step"] for r in base] == [0, 1]
     assert any(r["loss"] != 0 for r in base), "no gradient signal: the comparison would prove nothing"
-    for name in ("sp2", "dp2", "dp2_sp2"):
+    for name in ("sp2", "dp2_sp2"):
         assert [r["completion_tokens"] for r in metrics[name]] == [r["completion_tokens"] for r in base], name
         for a, b in zip(base, metrics[name], strict=True):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7), name

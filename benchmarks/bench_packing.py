@@ -110,8 +110,8 @@ def main() -> None:
     meta = run_meta("cpu")
     print_environment(meta)
     g = torch.Generator().manual_seed(0)
-    n, group_size = (16, 4) if args.quick else (32, 8)
-    cap = 512 if args.quick else 2048
+    n, group_size = (8, 4) if args.quick else (32, 8)
+    cap = 128 if args.quick else 2048
     lengths = torch.exp(torch.randn(n, generator=g) + 5.0).clamp(16, cap).long()
     group_prompts = [torch.randint(0, VOCAB, (64,), generator=g) for _ in range(n // group_size)]
     prompts = [group_prompts[i // group_size] for i in range(n)]
@@ -122,7 +122,7 @@ def main() -> None:
     print(f"long-tailed mix: {n} samples, completions {lengths.min()}..{lengths.max()} tokens (median "
           f"{int(lengths.median())}), padding waste {waste:.0%}")  # fmt: skip
     run_case("long-tailed mix", prompts, completions, groups, meta, rows, args.quick)
-    c_len = 64 if args.quick else 128
+    c_len = 16 if args.quick else 128
     ratios = (("4:1", 4 * c_len),) if args.quick else (("4:1", 4 * c_len), ("1:1", c_len), ("1:4", c_len // 4))
     for ratio, p_len in ratios:
         group_prompts = [torch.randint(0, VOCAB, (p_len,), generator=g) for _ in range(2)]

@@ -11,9 +11,12 @@ are synthetic token sequences (random ids of the model's vocabulary, no special 
     spread   G = 8 and 16, one prompt, lengths drawn log-uniformly from 500 to 8,000 (the headline rows);
     length   G = 8, every completion L tokens, L = 250, 500, 1k, 2k, 4k, 8k (stops for a provider past the cap);
     step     L = 8k, the completions of one step doubled: G = 16, 32 (the largest step that fits);
-    longest  (--sweeps longest, not in the default) the longest single chain per provider: two completions of L
-             tokens, each its own micro-batch (TRL: compute_loss and backward per row; ours: a token budget of one
-             completion), L doubling from 2,000 up to --longest-limit, then bisected to 5 %.
+    longest  (--sweeps longest, not in the default) the longest single chain per provider: a group of two
+             completions, one of L tokens and one of 250 (a group needs two; the short one keeps each probe to one
+             long chain), each its own micro-batch (TRL: compute_loss and backward per row, the short row padded to
+             L as TRL pads; ours: a token budget of one completion), L doubling from --longest-start (2,000) up to
+             --longest-limit, then bisected to 5 %. Its result is a peak, not a time: its probes do not wait for an
+             idle machine.
 They run cheapest first (length up to 2k, spread G = 8, length 4k, spread G = 16, length 8k, step).
 Providers (one micro-batch holds the whole step in all of them, so memory grows with the step):
     trl_ckpt / trl_nockpt   trl.GRPOTrainer.compute_loss + backward + AdamW step on TRL's padded batch (prompts
@@ -24,6 +27,10 @@ Providers (one micro-batch holds the whole step in all of them, so memory grows 
                             from TRL's padded inputs (each prompt stored once);
     gk_none / gk_blocks     grpo_kernels' grpo_step (packed, shared prompt, fused LM-head loss) without / with
                             model.activation_checkpointing = "blocks";
+    gk_auto                 model.activation_checkpointing = "auto" (the trainer's default) with 90 % of the room
+                            between the cap and the process (after a warm-up step) as its budget: none, selective,
+                            blocks on the first n blocks only, or blocks, whichever is fastest and fits (the choice
+                            is printed with the row);
     gk_selective            model.activation_checkpointing = "selective": the matmuls' and attention's outputs kept,
                             the ops between them recomputed;
     gk_tiled                gk_blocks with the sequence-tiled MLP (model.mlp_tile_tokens = MLP_TILE, 512): one
@@ -78,6 +85,7 @@ COLUMNS = ["timestamp", "device", "torch", "git_sha", "model", "sweep", "provide
            "min_len", "max_len", "real_tokens", "computed_tokens", "padding_fraction", "step_s", "tokens_per_s",
            "sp", "base_rss_mb", "peak_rss_mb", "cap_mb", "mmap_threshold", "load_before", "status"]  # fmt: skip
 MLP_TILE = 512  # gk_tiled's model.mlp_tile_tokens
+AUTO_SHARE = 0.9  # gk_auto's activation budget: this share of the room between the cap and the process's RSS
 PROMPT = ("Solve the problem and show every step of your working, one intermediate result per line, then give the "
           "final answer as 'Answer: <number>'. A train travels 284 km at 71 km/h, stops for 25 minutes, then travels "
           "156 km at 78 km/h. What was its average speed over the whole journey, the stop included?")  # fmt: skip
@@ -97,10 +105,13 @@ def sweeps(quick: bool) -> list[dict]:
     return [*length[:4], spread[0], length[4], spread[1], length[5], *step]
 
 
+LONGEST_SHORT = 250  # the other completion of a "longest" point's group
+
+
 def longest_point(n: int) -> dict:
-    """The "longest" sweep's point: two completions of n tokens (a GRPO group needs two), trained one per
-    micro-batch, so the peak is that of one chain of n tokens."""
-    return dict(sweep="longest", group_size=2, prompts=1, min_len=n, max_len=n)
+    """The "longest" sweep's point: a group of two completions (a GRPO group needs two), n and LONGEST_SHORT
+    tokens, trained one per micro-batch, so the peak is that of one chain of n tokens."""
+    return dict(sweep="longest", group_size=2, prompts=1, min_len=min(LONGEST_SHORT, n), max_len=n)
 
 
 def longest_search(fits, start: int, limit: int, tolerance: float = 0.05) -> tuple[int, bool]:
@@ -126,8 +137,11 @@ def longest_search(fits, start: int, limit: int, tolerance: float = 0.05) -> tup
 
 
 def lengths_of(point: dict, seed: int = 0) -> list[int]:
-    """Completion lengths of a point: log-uniform in [min_len, max_len], seeded; the longest drawn is max_len."""
+    """Completion lengths of a point: log-uniform in [min_len, max_len], seeded; the longest drawn is max_len (the
+    "longest" sweep: max_len, then min_len)."""
     n = point["group_size"] * point["prompts"]
+    if point["sweep"] == "longest":
+        return [point["max_len"], point["min_len"]]
     if point["min_len"] == point["max_len"]:
         return [point["max_len"]] * n
     rng = random.Random(seed * 7919 + n)
@@ -314,7 +328,7 @@ def _gk_step(spec: dict, model_dir: str) -> dict:
     d = init_distributed("gloo", sequence_parallel=sp) if sp > 1 else None
     model, _ = load_policy(model_dir, dtype="float32")
     _label_blocks(model.base_model.layers, spec)
-    if provider != "gk_none":
+    if provider not in ("gk_none", "gk_auto"):
         checkpoint_blocks(model.base_model.layers, "selective" if provider == "gk_selective" else "blocks")
     if provider == "gk_tiled":
         tile_mlps(model.base_model.layers, MLP_TILE)
@@ -343,11 +357,20 @@ def _gk_step(spec: dict, model_dir: str) -> dict:
                    sampler_logps=[torch.zeros(8)] * 2, group_size=2).with_rewards([0.0, 1.0])  # fmt: skip
     step(warm, prompt.numel() + 16)  # warm-up: first calls, Adam's state
     base = _rss_mb()
+    chose = ""
+    if provider == "gk_auto":  # the trainer's "auto", its budget the cap's room above this process
+        from grpo_kernels.train.activation_memory import choose_checkpointing
+
+        mode, blocks, chose = choose_checkpointing(
+            model.config, budget=AUTO_SHARE * (spec["cap_mb"] - base) * 2**20, tokens=budget,
+            completion_tokens=max(c.numel() for c in completions), dtype_bytes=4)  # fmt: skip
+        if mode != "none":
+            checkpoint_blocks(model.base_model.layers[:blocks], mode)
     metrics, elapsed = _timed(lambda: step(rollout, budget), spec)
     pad = budget * sp - packed
     return dict(step_s=elapsed, real_tokens=real, computed_tokens=packed + max(pad, 0), pad_tokens=max(pad, 0),
                 base_rss_mb=base, loss=metrics["loss"], rank=0 if d is None else d.rank,
-                micro_batches=metrics["micro_batches"])  # fmt: skip
+                micro_batches=metrics["micro_batches"], checkpointing=chose)  # fmt: skip
 
 
 def worker(spec: dict) -> None:
@@ -483,12 +506,15 @@ def run(args) -> Path:
             row["status"] = "skipped: a smaller point of this sweep was over the cap"
         else:
             print(f"{provider:11s} {point}", flush=True)
-            # other work on the cores skews step_s; the smoke test (quick) does not wait for an idle machine
-            row["load_before"] = round(settled_load(wait_s=0 if quick else 180), 2)
+            # other work on the cores skews step_s; the smoke test (quick) and the longest sweep (a peak, not a
+            # time) do not wait for an idle machine
+            row["load_before"] = round(settled_load(wait_s=0 if quick or point["sweep"] == "longest" else 180), 2)
             row.update(measure(provider, point, model_dir=model_dir, cap_mb=cap_mb, scratch=scratch,
                                timeout=args.timeout, mmap_threshold=args.mmap_threshold))  # fmt: skip
             print(f"            -> {row['status']}" + (f", {row['peak_rss_mb']:.0f} MB peak, {row['step_s']:.1f} s"
                                                         if row["status"] == "ok" else ""), flush=True)  # fmt: skip
+            if row.get("checkpointing"):
+                print(f"            {row['checkpointing']}", flush=True)
         if row["status"] == "over_cap":
             over.add((provider, point["sweep"]))
         if row["status"] == "ok":
@@ -504,7 +530,7 @@ def run(args) -> Path:
         for provider in providers:
             measure_row(provider, point)
     if "longest" in args.sweeps.split(","):
-        start, limit = (16, 16) if quick else (2000, args.longest_limit)
+        start, limit = (16, 16) if quick else (args.longest_start, args.longest_limit)
         for provider in providers:
             ok = lambda n, provider=provider: measure_row(provider, longest_point(n))["status"] == "ok"  # noqa: E731
             n, capped = longest_search(ok, start, limit)
@@ -541,6 +567,7 @@ def main() -> None:
                         help="comma-separated subset of length, spread, step (in their usual order) and longest (the "
                              "longest single chain per provider, one completion per micro-batch: doubling from 2000 "
                              "tokens, then bisection to 5 %%)")  # fmt: skip
+    parser.add_argument("--longest-start", type=int, default=2000, help="the longest sweep's first length")
     parser.add_argument("--longest-limit", type=int, default=131072, help="the longest sweep stops doubling here")
     parser.add_argument("--max-len", type=int, default=0,
                         help="run only the points whose completions are at most this long (0: all)")
@@ -555,8 +582,9 @@ def main() -> None:
     args = parser.parse_args()
     unknown = set(args.providers.split(",")) - set(PROVIDERS) | set(args.sweeps.split(",")) - {"length", "spread",
                                                                                                   "step", "longest"}
-    if args.longest_limit < 16:
-        parser.error(f"--longest-limit must be >= 16, got {args.longest_limit}")
+    if not 16 <= args.longest_start <= args.longest_limit:
+        parser.error(f"--longest-start and --longest-limit need 16 <= start <= limit, got {args.longest_start} and "
+                     f"{args.longest_limit}")
     if args.max_len < 0 or args.group_size < 0:
         parser.error(f"--max-len and --group-size must be >= 0, got {args.max_len} and {args.group_size}")
     if unknown:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results" / "long_chains"
 
-PROVIDERS = ("trl_ckpt", "trl_nockpt", "fused_trl", "fused_trl_packed", "gk_none", "gk_blocks", "gk_selective",
-             "gk_tiled", "gk_sp")  # every provider long_chains.py measures, in the report's order
+PROVIDERS = ("trl_ckpt", "trl_nockpt", "fused_trl", "fused_trl_packed", "gk_none", "gk_blocks", "gk_auto",
+             "gk_selective", "gk_tiled", "gk_sp")  # every provider long_chains.py measures, in the report's order
 
 
 def _csv_rows(path: Path) -> list[dict]:
@@ -100,12 +100,14 @@ def longest_table(rows: list[dict]) -> list[str]:
         fit = [int(r["max_len"]) for r in mine if r["status"] == "ok"]
         over = [int(r["max_len"]) for r in mine if r["status"] != "ok"]
         peak = next((r["peak_rss_mb"] for r in mine if fit and int(r["max_len"]) == max(fit)), "")
-        out.append(f"| {provider} | {max(fit) if fit else 0} | {peak} | {min(over) if over else '-'} |")
+        caps = "/".join(sorted({str(r["cap_mb"]) for r in mine}))
+        out.append(f"| {provider} | {max(fit) if fit else 0} | {peak} | {min(over) if over else '-'} | {caps} |")
     if not out:
         return []
     return ["## The longest single chain (measured: one completion per micro-batch, under the cap)", "",
-            "| provider | longest that fits (tokens) | its peak MB | shortest that did not |", "|---|---:|---:|---:|",
-            *out, ""]  # fmt: skip
+            "A \"-\" in the shortest that did not: every length tried fitted (the search stopped at its limit).", "",
+            "| provider | longest that fits (tokens) | its peak MB | shortest that did not | cap MB (per rank) |",
+            "|---|---:|---:|---:|---:|", *out, ""]  # fmt: skip
 
 
 COMPONENT_MIN_TOKENS = 8000  # below, a step's peak is set by other phases (the flat start of every provider's line)
@@ -195,6 +197,8 @@ def report(csv_path: Path) -> None:
     side = csv_path.resolve().parent == RESULTS and csv_path.name != f"long_chains_{rows[-1]['model']}.csv"
     if config is not None and not side:
         (csv_path.parent / "memory_model.md").write_text(memory_model(rows, config))
+    elif side and longest_table(rows):  # a side sweep of longest chains (e.g. under another cap): its own table
+        csv_path.with_suffix(".md").write_text("\n".join([f"Rows: {csv_path.name}.", "", *longest_table(rows)]))
     _plot(rows, csv_path.with_suffix(".png"))
 
 

@@ -118,6 +118,28 @@ def test_checkpointing_keeps_far_fewer_activations_and_leaves_names_and_no_grad_
     assert copied._grpo_checkpointed and copied.forward.args[0].__self__ is copied  # a copy recomputes its own block
 
 
+def test_checkpointing_the_first_blocks_only_keeps_the_rest_and_gives_the_same_loss_and_gradients():
+    """What "auto" does when a few blocks' activations fit: "blocks" on the first n, the last keep everything."""
+    model = _llama()
+    packed, adv, old = _batch(97, True)
+    options = dict(loss_type="dapo", num_items_in_batch=int(packed.completion_ids.shape[0]))
+    plain_loss, plain = _loss_and_grads(model, packed, adv, old, False, **options)
+    saved = {}
+    for n in (0, 2, 3):
+        partial = copy.deepcopy(model)
+        checkpoint_blocks(partial.base_model.layers[:n])
+        assert [bool(getattr(b, "_grpo_checkpointed", False)) for b in partial.base_model.layers] == [i < n for i in
+                                                                                                      range(3)]
+        saved[n] = _saved_bytes(partial, packed)
+        loss, grads = _loss_and_grads(partial, packed, adv, old, False, **options)
+        torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=0)
+        for name in plain:
+            torch.testing.assert_close(grads[name], plain[name], rtol=1e-6, atol=1e-9, msg=name)
+    # one block's activations fewer per checkpointed block: the saved bytes fall by the same step each time
+    step = (saved[0] - saved[3]) / 3
+    assert step > 0 and saved[0] - saved[2] == pytest.approx(2 * step, rel=0.05), saved
+
+
 def test_activation_checkpointing_config_default_and_choices():
     assert load_config().model.activation_checkpointing == "auto"
     assert load_config(overrides=["--model.activation_checkpointing=none"]).model.activation_checkpointing == "none"

@@ -34,17 +34,42 @@ def test_estimates_match_the_measured_slopes_and_order_the_modes():
         activation_bytes("blocks", SMOLLM2, dtype_bytes=4, tokens=tokens) / 2)
 
 
-@pytest.mark.parametrize("budget_gib, mode", [(100, "none"), (4, "selective"), (1, "blocks")])
+@pytest.mark.parametrize("budget_gib, mode", [(100, "none"), (4, "selective"), (2, "part"), (1, "part"),
+                                              (0.6, "blocks")])  # fmt: skip
 def test_auto_takes_the_fastest_mode_that_fits(budget_gib, mode):
-    # 4096 tokens of SmolLM2 fp32: none 6.7 GiB, selective 2.9, blocks 0.49 (see the line)
-    chosen, line = choose_checkpointing(SMOLLM2, budget=budget_gib * GIB, tokens=4096, completion_tokens=64,
-                                        dtype_bytes=4)  # fmt: skip
-    assert chosen == mode and f'"auto": "{mode}"' in line and f"budget {budget_gib:.2f}" in line
+    # 4096 tokens of SmolLM2 fp32: none 6.7 GiB, selective 2.9, blocks 0.49 (see the line); between selective and
+    # blocks, "blocks" on the fewest first blocks that fit, the last ones keeping their activations
+    chosen, blocks, line = choose_checkpointing(SMOLLM2, budget=budget_gib * GIB, tokens=4096, completion_tokens=64,
+                                                dtype_bytes=4)  # fmt: skip
+    assert f"budget {budget_gib:.2f}" in line
+    if mode != "part":
+        assert (chosen, blocks) == (mode, 0 if mode == "none" else 30) and f'"auto": "{mode}" (' in line
+        return
+
+    def est(n):
+        return activation_bytes("blocks", SMOLLM2, dtype_bytes=4, tokens=4096, checkpointed=n)
+
+    assert chosen == "blocks" and 0 < blocks < 30 and est(blocks) <= budget_gib * GIB < est(blocks - 1)
+    assert f'"auto": "blocks" on the first {blocks} of 30 decoder blocks, the last {30 - blocks} keeping' in line
+
+
+def test_the_partial_estimate_runs_from_none_to_blocks():
+    def est(n, mode="blocks"):
+        return activation_bytes(mode, SMOLLM2, dtype_bytes=4, tokens=4096, checkpointed=n)
+
+    steps = [est(n) - est(n + 1) for n in range(30)]
+    assert est(30) == activation_bytes("blocks", SMOLLM2, dtype_bytes=4, tokens=4096)
+    # counted with the recompute's working set: one checkpointed block saves less than that, so "none" comes first
+    assert est(0) > est(1) > activation_bytes("none", SMOLLM2, dtype_bytes=4, tokens=4096)
+    assert min(steps) == pytest.approx(max(steps)) and steps[0] > 0  # each checkpointed block saves the same
+    with pytest.raises(ValueError, match=r"checkpointed must be in \[0, 30\]"):
+        est(31)
 
 
 def test_auto_warns_when_only_one_completion_fits_and_refuses_when_not_even_that():
-    mode, line = choose_checkpointing(SMOLLM2, budget=0.25 * GIB, tokens=4096, completion_tokens=512, dtype_bytes=4)
-    assert mode == "blocks" and "may not fit" in line and "lower packing.token_budget" in line
+    mode, blocks, line = choose_checkpointing(SMOLLM2, budget=0.25 * GIB, tokens=4096, completion_tokens=512,
+                                              dtype_bytes=4)  # fmt: skip
+    assert (mode, blocks) == ("blocks", 30) and "may not fit" in line and "lower packing.token_budget" in line
     with pytest.raises(ValueError, match=r"model.activation_memory_gb: an activation budget of 0.01 GiB cannot hold "
                                          r"one completion of 512 tokens"):  # fmt: skip
         choose_checkpointing(SMOLLM2, budget=0.01 * GIB, tokens=4096, completion_tokens=512, dtype_bytes=4)
@@ -76,6 +101,25 @@ def test_a_run_logs_its_choice_and_refuses_a_budget_below_one_completion(tmp_pat
     with pytest.raises(SystemExit, match="model.activation_memory_gb: an activation budget of 0.00 GiB cannot hold "
                                          "one completion of 4 tokens"):  # fmt: skip
         _run(tmp_path / "none", "--model.activation_memory_gb=0.00001")
+
+
+def test_a_run_whose_budget_holds_a_few_blocks_checkpoints_only_the_first_ones(tmp_path, capsys, monkeypatch):
+    import grpo_kernels.train.trainer as trainer
+    from grpo_kernels.train.tasks import tiny_model
+
+    tiny = tiny_model(97, num_layers=4).config  # the sizes that matter here do not depend on the vocabulary
+
+    def est(n):
+        return activation_bytes("blocks", tiny, dtype_bytes=4, tokens=64, checkpointed=n)
+
+    assert est(3) < activation_bytes("selective", tiny, dtype_bytes=4, tokens=64)
+    applied = []
+    real = trainer.checkpoint_blocks
+    monkeypatch.setattr(trainer, "checkpoint_blocks", lambda blocks, mode: (applied.append((len(blocks), mode)),
+                                                                             real(blocks, mode)))  # fmt: skip
+    _run(tmp_path, "--model.num_layers=4", f"--model.activation_memory_gb={(est(3) + est(2)) / 2 / GIB}")
+    assert '"auto": "blocks" on the first 3 of 4 decoder blocks, the last 1 keeping' in capsys.readouterr().out
+    assert applied == [(3, "blocks")]
 
 
 def test_the_cpu_budget_is_shared_by_the_ranks_on_the_host(monkeypatch):

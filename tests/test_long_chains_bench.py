@@ -143,12 +143,14 @@ def test_longest_search_doubles_then_bisects_to_five_percent():
 
 @pytest.mark.slow
 def test_the_longest_sweep_trains_one_completion_per_micro_batch(tmp_path):
-    rows, stdout = _run(tmp_path, "--providers", "trl_ckpt,gk_blocks", "--sweeps", "longest")
+    # gk_auto: the trainer's "auto" choice (the tiny model's 16 tokens fit without checkpoints under the 12 GB cap)
+    rows, stdout = _run(tmp_path, "--providers", "trl_ckpt,gk_auto", "--sweeps", "longest")
     # --quick: one length (16 tokens, the limit): TRL's compute_loss and backward per row, ours a budget of one
     assert [(r["provider"], r["max_len"], r["status"]) for r in rows] == [("trl_ckpt", "16", "ok"),
-                                                                          ("gk_blocks", "16", "ok")]  # fmt: skip
-    assert "gk_blocks   longest single chain: 16 tokens (the --longest-limit 16)" in stdout
-    assert "| gk_blocks | 16 |" in (tmp_path / "memory_model.md").read_text()
+                                                                          ("gk_auto", "16", "ok")]  # fmt: skip
+    assert "gk_auto     longest single chain: 16 tokens (the --longest-limit 16)" in stdout
+    assert 'model.activation_checkpointing = "auto": "none" (estimated activation GiB for a micro-batch of' in stdout
+    assert "| gk_auto | 16 |" in (tmp_path / "memory_model.md").read_text()
 
 
 # benchmarks/long_chains_best.py: the realistic step at each provider's best micro-batching.

@@ -81,9 +81,10 @@ class ModelConfig:
     torch.utils.checkpoint (non-reentrant) per decoder block: activation memory drops to a [tokens, hidden] tensor
     per block plus one block's working set, for roughly one more forward per step. "offload" (CUDA only): "blocks"
     with each block's checkpointed input in pinned host memory between the forward (copied on a side stream) and
-    its recompute. "auto" (the default): the fastest of none, selective and blocks whose estimated activations for
-    a micro-batch of packing.token_budget tokens fit model.activation_memory_gb, logged at the start
-    (grpo_kernels.train.activation_memory)."""
+    its recompute. "auto" (the default): the fastest of none, selective, "blocks" on only the first n decoder blocks
+    (the last ones keeping every activation, so the backward recomputes n blocks instead of all) and blocks, whose
+    estimated activations for a micro-batch of packing.token_budget tokens fit model.activation_memory_gb, logged
+    at the start (grpo_kernels.train.activation_memory)."""
     activation_memory_gb: float | None = None
     """"auto"'s activation budget in GiB; None: on CUDA 90 % of the device memory free after the model loads, on
     CPU half the available memory, less the gradients and AdamW's moments (12 bytes per parameter). A budget that

@@ -355,21 +355,23 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
     if config.loss.beta > 0:
         ref_policy = Policy(copy.deepcopy(model).requires_grad_(False), compute_dtype=torch.bfloat16 if bf16 else None)
     policy = Policy(model, compute_dtype=torch.bfloat16 if bf16 and not d.distributed else None)
-    mode = config.model.activation_checkpointing
+    mode, blocks = config.model.activation_checkpointing, len(_decoder_blocks(model))
     if mode == "auto":
-        mode, line = choose_checkpointing(
+        mode, blocks, line = choose_checkpointing(
             model.config, budget=activation_budget(model, d.device, config.model.activation_memory_gb),
             tokens=config.packing.token_budget, completion_tokens=config.sampling.max_new_tokens,
             dtype_bytes=2 if bf16 else 4, mlp_tile_tokens=config.model.mlp_tile_tokens,
         )  # fmt: skip
-        if d.distributed:  # every rank the same mode: the most frugal any rank needs
-            modes = all_gather_objects(mode, d)
-            mode = max(modes, key=AUTO_ORDER.index)
-            line += "" if len(set(modes)) == 1 else f'; "{mode}" on every rank (the ranks chose {", ".join(modes)})'
+        if d.distributed:  # every rank the same choice: the most frugal any rank needs
+            choices = all_gather_objects((mode, blocks), d)
+            mode, blocks = max(choices, key=lambda c: (AUTO_ORDER.index(c[0]), c[1]))
+            if len(set(choices)) > 1:
+                line += (f'; "{mode}" on {blocks} blocks on every rank (the ranks chose '
+                         f"{', '.join(f'{m} on {n}' for m, n in choices)})")  # fmt: skip
         if d.rank == 0:
             log(line)
     if mode != "none":
-        checkpoint_blocks(_decoder_blocks(model), mode)
+        checkpoint_blocks(_decoder_blocks(model)[:blocks], mode)
     if config.model.mlp_tile_tokens:
         tile_mlps(_decoder_blocks(model), config.model.mlp_tile_tokens)
     if d.distributed:

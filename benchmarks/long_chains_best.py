@@ -23,6 +23,8 @@ Each provider's micro-batching, searched from the whole step in one micro-batch 
     gk_blocks         grpo-kernels' grpo_step, block checkpointing, shared prompts: packing.token_budget = 1/k of
                       the step's tokens as the planner counts them (a prompt with each completion); with shared
                       prompts the planner keeps a group whole, so k goes up to one group per micro-batch.
+    gk_auto           the same with model.activation_checkpointing = "auto" (long_chains.py's gk_auto: the trainer's
+                      choice for each micro-batch size, its budget 90 % of the room under the cap).
     gk_sp             gk_blocks on N ranks (sequence parallel N, long_chains.py's gk_sp), each rank's budget 1/N of
                       that.
 The search stops at the first k that fits under the cap: on CPU the step's arithmetic does not shrink with smaller
@@ -43,7 +45,7 @@ from pathlib import Path
 from benchmarks import long_chains as lc
 
 OUT = lc.OUT
-PROVIDERS = ("trl_ckpt", "fused_trl_packed", "gk_blocks", "gk_sp")
+PROVIDERS = ("trl_ckpt", "fused_trl_packed", "gk_blocks", "gk_auto", "gk_sp")
 DISTRIBUTIONS = ("loguniform", "longtail")
 COLUMNS = ["timestamp", "device", "torch", "git_sha", "model", "provider", "dist", "group_size", "prompts", "min_len",
            "max_len", "k", "micro_rows", "token_budget", "micro_batches", "sp", "status", "step_s", "peak_rss_mb",

@@ -494,6 +494,7 @@ def run(args) -> Path:
     over = {(r["provider"], r["sweep"]) for r in previous if r["status"] == "over_cap"}
     points = [p for p in sweeps(quick) if p["sweep"] in args.sweeps.split(",")]
     points = [p for p in points if not args.max_len or p["max_len"] <= args.max_len]
+    points = [p for p in points if p["max_len"] >= args.min_len]
     def measure_row(provider: str, point: dict) -> dict:
         """The row of (provider, point): from the CSV when it is there, else measured and appended."""
         ranks = sp if provider == "gk_sp" else 1
@@ -571,6 +572,8 @@ def main() -> None:
     parser.add_argument("--longest-limit", type=int, default=131072, help="the longest sweep stops doubling here")
     parser.add_argument("--max-len", type=int, default=0,
                         help="run only the points whose completions are at most this long (0: all)")
+    parser.add_argument("--min-len", type=int, default=0,
+                        help="run only the points whose longest completion is at least this long (0: all)")
     parser.add_argument("--group-size", type=int, default=0, help="run only the points with this G (0: all)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds one measurement may take")
     parser.add_argument("--mmap-threshold", type=int, default=2**20,
@@ -585,8 +588,9 @@ def main() -> None:
     if not 16 <= args.longest_start <= args.longest_limit:
         parser.error(f"--longest-start and --longest-limit need 16 <= start <= limit, got {args.longest_start} and "
                      f"{args.longest_limit}")
-    if args.max_len < 0 or args.group_size < 0:
-        parser.error(f"--max-len and --group-size must be >= 0, got {args.max_len} and {args.group_size}")
+    if min(args.max_len, args.min_len, args.group_size) < 0:
+        parser.error(f"--max-len, --min-len and --group-size must be >= 0, got {args.max_len}, {args.min_len} and "
+                     f"{args.group_size}")
     if unknown:
         parser.error(f"unknown provider or sweep: {', '.join(sorted(unknown))}")
     if args.worker:

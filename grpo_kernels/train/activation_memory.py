@@ -101,8 +101,8 @@ def choose_checkpointing(model_config, *, budget: float, tokens: int, completion
                                 mlp_tile_tokens=mlp_tile_tokens, checkpointed=n)  # fmt: skip
         if part <= budget:
             return "blocks", n, (f'model.activation_checkpointing = "auto": "blocks" on the first {n} of {layers} '
-                                 f"decoder blocks, the last {layers - n} keeping their activations: {part / gib:.2f} GiB "
-                                 f"{why}")  # fmt: skip
+                                 f"decoder blocks, the last {layers - n} keeping their activations: "
+                                 f"{part / gib:.2f} GiB {why}")  # fmt: skip
     if est["blocks"] <= budget:
         return "blocks", layers, f'model.activation_checkpointing = "auto": "blocks" {why}'
     one = activation_bytes("blocks", model_config, dtype_bytes=dtype_bytes, tokens=completion_tokens,

@@ -21,7 +21,10 @@ They run cheapest first (length up to 2k, spread G = 8, length 4k, spread G = 16
 Providers (one micro-batch holds the whole step in all of them, so memory grows with the step):
     trl_ckpt / trl_nockpt   trl.GRPOTrainer.compute_loss + backward + AdamW step on TRL's padded batch (prompts
                             left-padded, completions right-padded to the longest), gradient checkpointing on (TRL's
-                            default) / off; SDPA attention;
+                            default) / off; SDPA attention; TRL scores through its own chunked LM head (no logits);
+    trl_rowfold             trl_ckpt with that head's CPU fold run ROWFOLD_ROWS (128) rows at a time: on the CPU the
+                            fold holds several 4,096 x 32,768 fp32 temporaries per tile (about 0.5 GB each) that
+                            TRL's Triton kernels on a GPU do not; the same values, TRL's memory where they run;
     fused_trl               FusedGRPOTrainer (the drop-in), same inputs, TRL's gradient checkpointing on;
     fused_trl_packed        the same with packed=True, shared_prefix=True: the drop-in's padding-free loss forward
                             from TRL's padded inputs (each prompt stored once);
@@ -234,6 +237,36 @@ def _inputs(spec: dict, vocab: int, seed: int = 0):
     return torch.tensor(prompt, dtype=torch.long), completions, rewards
 
 
+ROWFOLD_ROWS = 128  # trl_rowfold: rows of a head tile folded at a time
+
+
+def trl_rowfold() -> None:
+    """Make TRL's chunked LM head fold its CPU tiles ROWFOLD_ROWS rows at a time (provider trl_rowfold).
+
+    TRL's `ChunkedLogProbFunction` projects 4,096 tokens x 32,768 vocabulary entries per tile and folds each tile into
+    per-token statistics: on a GPU with a Triton kernel (one program per token, no tile-sized temporaries), elsewhere
+    with torch ops on the whole tile (`_forward_tile`, `_backward_tile`), which hold several tile-sized fp32
+    temporaries at once (about 0.5 GB each at 4,096 tokens). Every op of those folds is per row, so folding a slice of
+    rows at a time gives the same values while its temporaries shrink to the slice: what is left is the memory TRL
+    needs where its kernels run. The call sites look the folds up by name at each call, so the module's are replaced."""
+    from trl.kernels import chunked_logprob as head
+
+    def sliced(fold, per_row: int):  # per_row: how many arguments after (tile, stride) have one entry per row
+        def by_rows(tile, stride, *args, **kwargs):
+            for i in range(0, tile.shape[0], ROWFOLD_ROWS):
+                rows = slice(i, i + ROWFOLD_ROWS)
+                fold(tile[rows], stride, *(a[rows] if k < per_row else a for k, a in enumerate(args)), **kwargs)
+
+        by_rows.rowfold = True
+        return by_rows
+
+    if not getattr(head._forward_tile, "rowfold", False):
+        # forward: targets, running_max, sum_exp, x_sum_exp, sq_sum_exp, z_sum, max_before_target, target_logit;
+        # backward: targets, log_z, entropy, grad_logprobs, grad_entropy
+        head._forward_tile = sliced(head._forward_tile, 8)
+        head._backward_tile = sliced(head._backward_tile, 5)
+
+
 def _trl_step(spec: dict, model_dir: str) -> dict:
     import torch
     import transformers
@@ -243,6 +276,8 @@ def _trl_step(spec: dict, model_dir: str) -> dict:
     from grpo_kernels.integrations import FusedGRPOTrainer
 
     provider, point = spec["provider"], spec["point"]
+    if provider == "trl_rowfold":
+        trl_rowfold()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
     b = point["group_size"] * point["prompts"]

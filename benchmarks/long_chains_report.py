@@ -7,8 +7,8 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results" / "long_chains"
 
-PROVIDERS = ("trl_ckpt", "trl_nockpt", "fused_trl", "fused_trl_packed", "gk_none", "gk_blocks", "gk_auto",
-             "gk_selective", "gk_tiled", "gk_sp")  # every provider long_chains.py measures, in the report's order
+PROVIDERS = ("trl_ckpt", "trl_nockpt", "trl_rowfold", "fused_trl", "fused_trl_packed", "gk_none", "gk_blocks",
+             "gk_auto", "gk_selective", "gk_tiled", "gk_sp")  # every provider long_chains.py measures, report order
 
 
 def _csv_rows(path: Path) -> list[dict]:

@@ -144,13 +144,53 @@ def test_longest_search_doubles_then_bisects_to_five_percent():
 @pytest.mark.slow
 def test_the_longest_sweep_trains_one_completion_per_micro_batch(tmp_path):
     # gk_auto: the trainer's "auto" choice (the tiny model's 16 tokens fit without checkpoints under the 12 GB cap)
-    rows, stdout = _run(tmp_path, "--providers", "trl_ckpt,gk_auto", "--sweeps", "longest")
+    # (trl_rowfold: trl_ckpt, which the first test runs, with its head's CPU fold by row slices)
+    rows, stdout = _run(tmp_path, "--providers", "trl_rowfold,gk_auto", "--sweeps", "longest")
     # --quick: one length (16 tokens, the limit): TRL's compute_loss and backward per row, ours a budget of one
-    assert [(r["provider"], r["max_len"], r["status"]) for r in rows] == [("trl_ckpt", "16", "ok"),
+    assert [(r["provider"], r["max_len"], r["status"]) for r in rows] == [("trl_rowfold", "16", "ok"),
                                                                           ("gk_auto", "16", "ok")]  # fmt: skip
     assert "gk_auto     longest single chain: 16 tokens (the --longest-limit 16)" in stdout
     assert 'model.activation_checkpointing = "auto": "none" (estimated activation GiB for a micro-batch of' in stdout
     assert "| gk_auto | 16 |" in (tmp_path / "memory_model.md").read_text()
+
+
+def test_trl_rowfold_folds_row_slices_with_the_same_log_probs_entropy_and_gradients(monkeypatch):
+    """trl_rowfold's TRL head: each CPU fold sees at most ROWFOLD_ROWS rows, and the log-probs, entropies and both
+    gradients equal the whole-tile fold's (two token chunks of 200 and 100 rows, three vocabulary chunks)."""
+    import torch
+    from trl.kernels import chunked_logprob as head
+
+    from benchmarks import long_chains
+
+    rows_seen = []
+    for name in ("_forward_tile", "_backward_tile"):  # restored after the test (monkeypatch)
+        fold = getattr(head, name)
+        monkeypatch.setattr(head, name, lambda tile, *a, fold=fold, **k: (rows_seen.append(tile.shape[0]),
+                                                                         fold(tile, *a, **k))[1])  # fmt: skip
+    monkeypatch.setattr(head, "TOKEN_CHUNK_SIZE", 200)
+    monkeypatch.setattr(long_chains, "ROWFOLD_ROWS", 64)
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(300, 24, generator=g, dtype=torch.float64)
+    weight = torch.randn(700, 24, generator=g, dtype=torch.float64) / 3
+    targets = torch.randint(0, 700, (300,), generator=g)
+    up = torch.randn(2, 300, generator=g, dtype=torch.float64)
+
+    def run():
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        logp, ent, *_ = head.ChunkedLogProbFunction.apply(h, w, None, targets, 0.7, 256, None, 1.0,
+                                                           ("log_probs", "entropy"))  # fmt: skip
+        ((logp * up[0]).sum() + (ent * up[1]).sum()).backward()
+        return logp.detach(), ent.detach(), h.grad, w.grad
+
+    whole = run()
+    assert max(rows_seen) == 200
+    rows_seen.clear()
+    long_chains.trl_rowfold()
+    sliced = run()
+    assert max(rows_seen) == 64 and sum(rows_seen) == 2 * 3 * 300  # forward and backward: 3 vocabulary chunks each
+    for a, b in zip(whole, sliced, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(whole[2], torch.zeros_like(whole[2]))
 
 
 # benchmarks/long_chains_best.py: the realistic step at each provider's best micro-batching.

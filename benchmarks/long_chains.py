@@ -43,7 +43,7 @@ Providers (one micro-batch holds the whole step in all of them, so memory grows 
                             tiny model, 3 for SmolLM2-135M (9 heads, 3 KV heads); FSDP2 over the N ranks too, so the
                             static memory per rank drops as well; per-rank peak, each rank capped at
                             min(--cap-gb, --machine-gb / N).
-Loss "dapo", beta 0, on-policy, fp32, 2 CPU threads per process (1 per rank for gk_sp).
+Loss "dapo", beta 0, on-policy, fp32, 2 CPU threads per process (--threads; 1 per rank for gk_sp).
 
 Per row: sp (ranks), peak_rss_mb (VmHWM of the process, the largest rank's for gk_sp), base_rss_mb (RSS before the
 step: model, optimizer state and inputs), step_s, tokens_per_s (real tokens / step_s), padding_fraction (pad tokens
@@ -437,14 +437,15 @@ def sp_size(model_dir: str) -> int:
 
 
 def measure(provider: str, point: dict, *, model_dir: str, cap_mb: float, scratch: str, timeout: float,
-            mmap_threshold: int = 0, extra: dict | None = None) -> dict:  # fmt: skip
+            mmap_threshold: int = 0, extra: dict | None = None, threads: int = 2) -> dict:  # fmt: skip
     """Run one (provider, point) in a fresh process (N for gk_sp); the row's measured fields and status.
     mmap_threshold > 0: glibc's MALLOC_MMAP_THRESHOLD_ for the worker (blocks from that size on are mapped and
-    returned to the system when freed); 0: glibc's default (a threshold that rises to 32 MiB as blocks are freed)."""
+    returned to the system when freed); 0: glibc's default (a threshold that rises to 32 MiB as blocks are freed).
+    threads: torch threads of a one-process provider (gk_sp: one per rank)."""
     sp = sp_size(model_dir) if provider == "gk_sp" else 1
     prompt, special = prompt_ids(model_dir)
     spec = dict(provider=provider, point=point, model_dir=model_dir, cap_mb=cap_mb, scratch=scratch, sp=sp,
-                threads=1 if sp > 1 else 2, prompt_ids=prompt, special_ids=special, **(extra or {}))  # fmt: skip
+                threads=1 if sp > 1 else threads, prompt_ids=prompt, special_ids=special, **(extra or {}))  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = str(spec["threads"])
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -546,7 +547,8 @@ def run(args) -> Path:
             # time) do not wait for an idle machine
             row["load_before"] = round(settled_load(wait_s=0 if quick or point["sweep"] == "longest" else 180), 2)
             row.update(measure(provider, point, model_dir=model_dir, cap_mb=cap_mb, scratch=scratch,
-                               timeout=args.timeout, mmap_threshold=args.mmap_threshold))  # fmt: skip
+                               timeout=args.timeout, mmap_threshold=args.mmap_threshold,
+                               threads=args.threads))  # fmt: skip
             print(f"            -> {row['status']}" + (f", {row['peak_rss_mb']:.0f} MB peak, {row['step_s']:.1f} s"
                                                         if row["status"] == "ok" else ""), flush=True)  # fmt: skip
             if row.get("checkpointing"):
@@ -611,6 +613,9 @@ def main() -> None:
                         help="run only the points whose longest completion is at least this long (0: all)")
     parser.add_argument("--group-size", type=int, default=0, help="run only the points with this G (0: all)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds one measurement may take")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads per process (gk_sp: 1 per rank); 1 for memory probes run side by side: "
+                             "two 2-thread processes on 2 cores stall each other's OpenMP barriers")
     parser.add_argument("--mmap-threshold", type=int, default=2**20,
                         help="glibc MALLOC_MMAP_THRESHOLD_ (bytes) for every worker, so that peak RSS follows the "
                              "live tensors; 0 = glibc's default, whose retained heap is part of the peak")  # fmt: skip
@@ -620,6 +625,8 @@ def main() -> None:
     args = parser.parse_args()
     unknown = set(args.providers.split(",")) - set(PROVIDERS) | set(args.sweeps.split(",")) - {"length", "spread",
                                                                                                   "step", "longest"}
+    if args.threads < 1:
+        parser.error(f"--threads needs at least 1, got {args.threads}")
     if not 16 <= args.longest_start <= args.longest_limit:
         parser.error(f"--longest-start and --longest-limit need 16 <= start <= limit, got {args.longest_start} and "
                      f"{args.longest_limit}")

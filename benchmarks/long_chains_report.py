@@ -199,7 +199,8 @@ def report(csv_path: Path) -> None:
         (csv_path.parent / "memory_model.md").write_text(memory_model(rows, config))
     elif side and longest_table(rows):  # a side sweep of longest chains (e.g. under another cap): its own table
         csv_path.with_suffix(".md").write_text("\n".join([f"Rows: {csv_path.name}.", "", *longest_table(rows)]))
-    _plot(rows, csv_path.with_suffix(".png"))
+    if any(r["sweep"] != "longest" and r["status"] == "ok" for r in rows):  # the plot has no longest rows
+        _plot(rows, csv_path.with_suffix(".png"))
 
 
 def _model_config(name: str) -> dict | None:

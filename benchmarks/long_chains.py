@@ -262,7 +262,19 @@ def trl_rowfold() -> None:
 
     if not getattr(head._forward_tile, "rowfold", False):
         # forward: targets, running_max, sum_exp, x_sum_exp, sq_sum_exp, z_sum, max_before_target, target_logit;
-        # backward: targets, log_z, entropy, grad_logprobs, grad_entropy
+        # backward: targets, log_z, entropy, grad_logprobs, grad_entropy. A TRL whose folds take other arguments
+        # would be sliced wrongly: refused rather than measured.
+        import inspect
+
+        known = {"_forward_tile": ["tile", "tile_stride", "targets", "running_max", "sum_exp", "x_sum_exp",
+                                   "sq_sum_exp", "z_sum", "max_before_target", "target_logit", "vocab_start"],
+                 "_backward_tile": ["tile", "tile_stride", "targets", "log_z", "entropy", "grad_logprobs",
+                                    "grad_entropy", "vocab_start"]}  # fmt: skip
+        for name, params in known.items():
+            found = list(inspect.signature(getattr(head, name)).parameters)[: len(params)]
+            if found != params:
+                raise RuntimeError(f"trl_rowfold: trl.kernels.chunked_logprob.{name} takes {found}, not {params} "
+                                   "(written against TRL 1.16)")  # fmt: skip
         head._forward_tile = sliced(head._forward_tile, 8)
         head._backward_tile = sliced(head._backward_tile, 5)
 

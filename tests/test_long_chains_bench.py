@@ -2,6 +2,7 @@
 the memory model and the plot written; a provider over the memory cap is recorded, not fatal."""
 
 import csv
+import functools
 import os
 import subprocess
 import sys
@@ -163,10 +164,16 @@ def test_trl_rowfold_folds_row_slices_with_the_same_log_probs_entropy_and_gradie
     from benchmarks import long_chains
 
     rows_seen = []
+    def recorded(fold):  # keeps fold's signature (functools.wraps), which trl_rowfold checks
+        @functools.wraps(fold)
+        def record(tile, *a, **k):
+            rows_seen.append(tile.shape[0])
+            return fold(tile, *a, **k)
+
+        return record
+
     for name in ("_forward_tile", "_backward_tile"):  # restored after the test (monkeypatch)
-        fold = getattr(head, name)
-        monkeypatch.setattr(head, name, lambda tile, *a, fold=fold, **k: (rows_seen.append(tile.shape[0]),
-                                                                         fold(tile, *a, **k))[1])  # fmt: skip
+        monkeypatch.setattr(head, name, recorded(getattr(head, name)))
     monkeypatch.setattr(head, "TOKEN_CHUNK_SIZE", 200)
     monkeypatch.setattr(long_chains, "ROWFOLD_ROWS", 64)
     g = torch.Generator().manual_seed(7)
@@ -191,6 +198,10 @@ def test_trl_rowfold_folds_row_slices_with_the_same_log_probs_entropy_and_gradie
     for a, b in zip(whole, sliced, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     assert not torch.allclose(whole[2], torch.zeros_like(whole[2]))
+    # a TRL whose fold takes other arguments is refused, not sliced by the wrong ones
+    monkeypatch.setattr(head, "_forward_tile", lambda tile, tile_stride, targets, log_z: None)
+    with pytest.raises(RuntimeError, match="_forward_tile takes"):
+        long_chains.trl_rowfold()
 
 
 # benchmarks/long_chains_best.py: the realistic step at each provider's best micro-batching.

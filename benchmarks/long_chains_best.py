@@ -18,6 +18,9 @@ Each provider's micro-batching, searched from the whole step in one micro-batch 
                       gradient accumulation over the k micro-batches. As in TRL, a micro-batch is a slice of the step's
                       padded batch: every row is padded to the step's longest completion (TRL pads the whole
                       generation batch, then splits it), so micro-batching lowers TRL's peak, not its padding.
+    trl_rowfold       the same with TRL's LM-head fold run 128 rows at a time (long_chains.py's trl_rowfold): on the
+                      CPU TRL folds each 4,096-token head tile with whole-tile fp32 temporaries that its Triton
+                      kernel on a GPU does not hold; this is TRL's peak where that kernel runs.
     fused_trl_packed  FusedGRPOTrainer(packed=True, shared_prefix=True), the same micro-batches: each packed without
                       its pads.
     gk_blocks         grpo-kernels' grpo_step, block checkpointing, shared prompts: packing.token_budget = 1/k of
@@ -45,7 +48,7 @@ from pathlib import Path
 from benchmarks import long_chains as lc
 
 OUT = lc.OUT
-PROVIDERS = ("trl_ckpt", "fused_trl_packed", "gk_blocks", "gk_auto", "gk_sp")
+PROVIDERS = ("trl_ckpt", "trl_rowfold", "fused_trl_packed", "gk_blocks", "gk_auto", "gk_sp")
 DISTRIBUTIONS = ("loguniform", "longtail")
 COLUMNS = ["timestamp", "device", "torch", "git_sha", "model", "provider", "dist", "group_size", "prompts", "min_len",
            "max_len", "k", "micro_rows", "token_budget", "micro_batches", "sp", "status", "step_s", "peak_rss_mb",
@@ -114,17 +117,18 @@ def report(csv_path: Path) -> Path:
     lines = ["# The realistic long-chain step: each provider at its best micro-batching", "",
              "Command: `python -m benchmarks.long_chains_best` (the module's docstring says what is measured). Step "
              "time and peak RSS of each provider's fastest micro-batching that fits; the ratios are to TRL's best "
-             "(trl_ckpt) at the same point; load: the 1-minute load average before the measurement (above 1: other "
-             "work shared the cores, rerun the row); measured: when the row's run started. This machine's speed "
-             "drifts by up to 30 % between hours, so a time ratio between rows of different runs is not a same-run "
-             "result.",
+             "(trl_ckpt) at the same point, and to TRL's best without its CPU fold's temporaries (trl_rowfold: "
+             "TRL's memory where its Triton head kernel runs) where that was measured; load: the 1-minute load "
+             "average before the measurement (above 1: other work shared the cores, rerun the row); measured: when "
+             "the row's run started. This machine's speed drifts by up to 30 % between hours, so a time ratio "
+             "between rows of different runs is not a same-run result.",
              "",
              "| dist | lengths | G x prompts | provider | k | micro-batches | step s | peak MB | time vs TRL | "
-             "peak vs TRL | pad share | load | measured |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+             "peak vs TRL | time vs rowfold | peak vs rowfold | pad share | load | measured |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     point_keys = {(r["dist"], r["group_size"], r["prompts"], r["min_len"], r["max_len"]) for r in rows}
     for point in sorted(point_keys, key=lambda p: (int(p[4]), int(p[1]), p[0])):
-        trl = best.get(("trl_ckpt", *point))
+        trl, rowfold = best.get(("trl_ckpt", *point)), best.get(("trl_rowfold", *point))
         lead = f"| {point[0]} | {point[3]}-{point[4]} | {point[1]} x {point[2]} | "
         for provider in PROVIDERS:
             r = best.get((provider, *point))
@@ -132,12 +136,13 @@ def report(csv_path: Path) -> Path:
                 tried = [x["status"] for x in rows if (x["provider"], x["dist"], x["group_size"], x["prompts"],
                                                        x["min_len"], x["max_len"]) == (provider, *point)]  # fmt: skip
                 if tried:
-                    lines.append(f"{lead}{provider} | - | - | - | - | - | - | - | {'; '.join(sorted(set(tried)))} | |")
+                    lines.append(f"{lead}{provider} | - | - | - | - | - | - | - | - | - | "
+                                 f"{'; '.join(sorted(set(tried)))} | |")  # fmt: skip
                 continue
-            time_ratio, peak_ratio = (_ratio(r, trl, key) for key in ("step_s", "peak_rss_mb"))
+            ratios = " | ".join(_ratio(r, base, key) for base in (trl, rowfold) for key in ("step_s", "peak_rss_mb"))
             pad = float(r["pad_tokens"]) / float(r["computed_tokens"]) if float(r["computed_tokens"]) else 0.0
             lines.append(f"{lead}{provider} | {r['k']} | {r['micro_batches']} | "
-                         f"{float(r['step_s']):.1f} | {float(r['peak_rss_mb']):.0f} | {time_ratio} | {peak_ratio} | "
+                         f"{float(r['step_s']):.1f} | {float(r['peak_rss_mb']):.0f} | {ratios} | "
                          f"{pad:.0%} | {r['load_before']} | {r['timestamp'][:16].replace('T', ' ')} |")  # fmt: skip
     lines += ["", "Every measured micro-batching (the search): the CSV beside this file.", ""]
     path = csv_path.with_suffix(".md")

@@ -262,17 +262,20 @@ def test_best_report_takes_each_providers_fastest_fitting_row_against_trls(tmp_p
     path = tmp_path / "best.csv"
     rows = [row("trl_ckpt", 1, "over_cap"), row("trl_ckpt", 2, "ok", 100, 8000), row("trl_ckpt", 4, "ok", 110, 6000),
             row("gk_blocks", 1, "ok", 70, 4000), row("gk_blocks", 2, "ok", 75, 3000), row("gk_sp", 1, "over_cap"),
-            row("gk_blocks", 16, "ok", 1, 1)]  # another point (lengths up to 2000): not the best of the one above
+            row("trl_rowfold", 1, "ok", 90, 4000), row("gk_blocks", 16, "ok", 1, 1)]  # gk_blocks 16: another point
+    # (lengths up to 2000), not the best of the one above
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
     text = report(path).read_text()
-    assert ("| loguniform | 500-8000 | 8 x 4 | trl_ckpt | 2 | 2 | 100.0 | 8000 | 1.00x | 1.00x | 50% | 0.1 | "
-            "2026-12-05 00:30 |") in text  # when it was measured: rows of different runs are told apart
-    assert "| loguniform | 500-8000 | 8 x 4 | gk_blocks | 1 | 1 | 70.0 | 4000 | 0.70x | 0.50x | 0% | 0.1 |" in text
-    assert "| loguniform | 500-8000 | 8 x 4 | gk_sp | - | - | - | - | - | - | - | over_cap |" in text
-    assert "| loguniform | 500-2000 | 8 x 4 | gk_blocks | 16 | 16 | 1.0 | 1 | - | - | 0% | 0.1 |" in text
+    assert ("| loguniform | 500-8000 | 8 x 4 | trl_ckpt | 2 | 2 | 100.0 | 8000 | 1.00x | 1.00x | 1.11x | 2.00x | 50% | "
+            "0.1 | 2026-12-05 00:30 |") in text  # when it was measured: rows of different runs are told apart
+    assert ("| loguniform | 500-8000 | 8 x 4 | gk_blocks | 1 | 1 | 70.0 | 4000 | 0.70x | 0.50x | 0.78x | 1.00x | 0% | "
+            "0.1 |") in text  # against TRL and against TRL without its CPU fold (trl_rowfold)
+    assert "| 8 x 4 | trl_rowfold | 1 | 1 | 90.0 | 4000 | 0.90x | 0.50x | 1.00x | 1.00x |" in text
+    assert "| loguniform | 500-8000 | 8 x 4 | gk_sp | - | - | - | - | - | - | - | - | - | over_cap |" in text
+    assert "| loguniform | 500-2000 | 8 x 4 | gk_blocks | 16 | 16 | 1.0 | 1 | - | - | - | - | 0% | 0.1 |" in text
 
 
 @pytest.mark.slow

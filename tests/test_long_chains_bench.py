@@ -161,7 +161,7 @@ def test_trl_rowfold_folds_row_slices_with_the_same_log_probs_entropy_and_gradie
     import torch
     from trl.kernels import chunked_logprob as head
 
-    from benchmarks import long_chains
+    from benchmarks import long_chains_worker as worker
 
     rows_seen = []
     def recorded(fold):  # keeps fold's signature (functools.wraps), which trl_rowfold checks
@@ -175,7 +175,7 @@ def test_trl_rowfold_folds_row_slices_with_the_same_log_probs_entropy_and_gradie
     for name in ("_forward_tile", "_backward_tile"):  # restored after the test (monkeypatch)
         monkeypatch.setattr(head, name, recorded(getattr(head, name)))
     monkeypatch.setattr(head, "TOKEN_CHUNK_SIZE", 200)
-    monkeypatch.setattr(long_chains, "ROWFOLD_ROWS", 64)
+    monkeypatch.setattr(worker, "ROWFOLD_ROWS", 64)
     g = torch.Generator().manual_seed(7)
     hidden = torch.randn(300, 24, generator=g, dtype=torch.float64)
     weight = torch.randn(700, 24, generator=g, dtype=torch.float64) / 3
@@ -192,7 +192,7 @@ def test_trl_rowfold_folds_row_slices_with_the_same_log_probs_entropy_and_gradie
     whole = run()
     assert max(rows_seen) == 200
     rows_seen.clear()
-    long_chains.trl_rowfold()
+    worker.trl_rowfold()
     sliced = run()
     assert max(rows_seen) == 64 and sum(rows_seen) == 2 * 3 * 300  # forward and backward: 3 vocabulary chunks each
     for a, b in zip(whole, sliced, strict=True):
@@ -201,7 +201,7 @@ def test_trl_rowfold_folds_row_slices_with_the_same_log_probs_entropy_and_gradie
     # a TRL whose fold takes other arguments is refused, not sliced by the wrong ones
     monkeypatch.setattr(head, "_forward_tile", lambda tile, tile_stride, targets, log_z: None)
     with pytest.raises(RuntimeError, match="_forward_tile takes"):
-        long_chains.trl_rowfold()
+        worker.trl_rowfold()
 
 
 # benchmarks/long_chains_best.py: the realistic step at each provider's best micro-batching.
@@ -308,7 +308,7 @@ def test_profile_tells_the_backwards_recompute_from_the_forward(tmp_path, mode):
 
     import torch
 
-    from benchmarks import long_chains as lc
+    from benchmarks import long_chains_worker as worker
     from benchmarks.long_chains_profile import table
     from grpo_kernels import fused_linear_grpo_loss
     from grpo_kernels.train.fsdp import checkpoint_blocks
@@ -317,7 +317,7 @@ def test_profile_tells_the_backwards_recompute_from_the_forward(tmp_path, mode):
     mlp = lambda: torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.SiLU(), torch.nn.Linear(256, 64))  # noqa
     blocks = torch.nn.ModuleList(mlp() for _ in range(3))
     spec = {"profile": str(tmp_path / "p.json")}
-    lc._label_blocks(blocks, spec)
+    worker._label_blocks(blocks, spec)
     if mode != "none":
         checkpoint_blocks(blocks, mode)
     optimizer = torch.optim.AdamW(blocks.parameters())
@@ -338,7 +338,7 @@ def test_profile_tells_the_backwards_recompute_from_the_forward(tmp_path, mode):
         loss.backward()
         optimizer.step()
 
-    _, seconds = lc._timed(step, spec)
+    _, seconds = worker._timed(step, spec)
     s = json.loads((tmp_path / "p.json").read_text())
     phases, cats = s["phases_ms"], s["categories_ms"]
     assert seconds > 0 and set(phases) == {"forward and loss", "of which decoder blocks", "backward",

@@ -199,8 +199,75 @@ def report(csv_path: Path) -> None:
         (csv_path.parent / "memory_model.md").write_text(memory_model(rows, config))
     elif side and longest_table(rows):  # a side sweep of longest chains (e.g. under another cap): its own table
         csv_path.with_suffix(".md").write_text("\n".join([f"Rows: {csv_path.name}.", "", *longest_table(rows)]))
+    if side and csv_path.name.startswith("long_chains_pairs_rep"):  # one repeat of the back-to-back pairs
+        path = pairs_report(csv_path.parent, rows[-1]["model"])
+        print(f"wrote {path}")
+        return  # one point per file: no plot
     if any(r["sweep"] != "longest" and r["status"] == "ok" for r in rows):  # the plot has no longest rows
         _plot(rows, csv_path.with_suffix(".png"))
+
+
+PAIRS = ("trl_ckpt", "trl_rowfold", "gk_blocks", "gk_auto")  # the back-to-back providers of a pairs run
+COLUMNS_PAIRS = ("timestamp", "device", "provider", "sweep", "min_len", "max_len", "step_s", "peak_rss_mb",
+                 "load_before", "status")  # the columns pairs_report reads (long_chains.COLUMNS has them all)
+PAIR_RATIOS = (("gk_blocks", "trl_ckpt"), ("gk_blocks", "trl_rowfold"), ("gk_auto", "trl_ckpt"),
+               ("gk_auto", "trl_rowfold"))  # fmt: skip
+
+
+def _span(values: list[float]) -> str:
+    if not values:
+        return "-"
+    values = sorted(values)
+    mid = values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+    return f"{mid:.2f}x ({values[0]:.2f}-{values[-1]:.2f})" if len(values) > 1 else f"{values[0]:.2f}x"
+
+
+def pairs_report(directory: Path, model: str) -> Path:
+    """long_chains_pairs_<model>.md from every long_chains_pairs_rep<N>_<model>.csv in directory: per equal length
+    and repeat (one run of the providers back to back), the step times, peaks and time ratios of ours to TRL and to
+    TRL without its CPU fold (trl_rowfold); then per length the median and range of each ratio over the repeats.
+    A ratio is only taken within one repeat: the machine's speed moves between runs."""
+    reps = {}  # (length, rep) -> {provider: row}
+    for path in sorted(directory.glob(f"long_chains_pairs_rep*_{model}.csv")):
+        rep = path.name[len("long_chains_pairs_rep") :].split("_", 1)[0]
+        for r in _csv_rows(path):
+            if r["status"] == "ok" and r["sweep"] == "length" and r["min_len"] == r["max_len"]:
+                reps.setdefault((int(r["max_len"]), rep), {})[r["provider"]] = r
+    lines = [f"# Equal-length steps back to back, {model}: ours against TRL and TRL without its CPU fold", "",
+             "Rows: long_chains_pairs_rep<N>_<model>.csv, one run of `python -m benchmarks.long_chains --sweeps length "
+             "--providers trl_ckpt,trl_rowfold,gk_blocks,gk_auto --min-len L --max-len L --cap-gb 12 --csv ...` each "
+             "(G = 8, one micro-batch holds the step). A ratio compares rows of one run; load: the highest 1-minute "
+             "load before a row of the run (above 1: other work shared the cores). trl_rowfold: TRL with its LM "
+             "head's CPU fold run 128 rows at a time, TRL's memory where its Triton head kernel runs.", "",
+             "| L | rep | device | measured | load | TRL s | rowfold s | blocks s | auto s | blocks vs TRL | "
+             "blocks vs rowfold | auto vs TRL | auto vs rowfold | peak MB: TRL / rowfold / blocks / auto |",
+             "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    ratios = {}  # (length, ours, base) -> [ratio per repeat]
+    for (length, rep), got in sorted(reps.items()):
+        step = {p: float(got[p]["step_s"]) for p in PAIRS if p in got}
+        cells = []
+        for ours, base in PAIR_RATIOS:
+            if ours in step and base in step:
+                ratios.setdefault((length, ours, base), []).append(step[ours] / step[base])
+                cells.append(f"{step[ours] / step[base]:.2f}x")
+            else:
+                cells.append("-")
+        first = min(r["timestamp"] for r in got.values())
+        lines.append(f"| {length} | {rep} | {next(iter(got.values()))['device']} | {first[:16].replace('T', ' ')} | "
+                     f"{max(float(r['load_before']) for r in got.values()):.2f} | "
+                     + " | ".join(f"{step[p]:.1f}" if p in step else "-" for p in PAIRS) + " | " + " | ".join(cells)
+                     + " | " + " / ".join(got[p]["peak_rss_mb"] if p in got else "-" for p in PAIRS) + " |")
+    lines += ["", "Per length over the repeats: the median step-time ratio (its range).", "",
+              "| L | repeats | " + " | ".join(f"{o.split('_')[1]} vs {'TRL' if b == 'trl_ckpt' else 'rowfold'}"
+                                              for o, b in PAIR_RATIOS) + " |",
+              "|---:|---:|" + "---:|" * len(PAIR_RATIOS)]  # fmt: skip
+    for length in sorted({n for n, _ in reps}):
+        count = sum(1 for n, _ in reps if n == length)
+        lines.append(f"| {length} | {count} | "
+                     + " | ".join(_span(ratios.get((length, o, b), [])) for o, b in PAIR_RATIOS) + " |")
+    path = directory / f"long_chains_pairs_{model}.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def _model_config(name: str) -> dict | None:

@@ -101,6 +101,36 @@ def test_component_model_splits_the_fitted_slopes_and_scales_them_to_the_big_mod
     assert "No gk_blocks" in component_model(rows[:3], dict(layers=30, hidden=576, intermediate=1536))[0]
 
 
+def test_pairs_report_takes_each_ratio_within_one_repeat_then_the_median_and_range_over_repeats(tmp_path):
+    """long_chains_pairs_<model>.md: ours / TRL and ours / trl_rowfold per (length, repeat), from the repeat's own
+    rows only; a provider missing from a repeat leaves its ratios out (a dash), not filled from another run."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from long_chains import COLUMNS
+    from long_chains_report import COLUMNS_PAIRS, pairs_report
+
+    assert set(COLUMNS_PAIRS) <= set(COLUMNS)  # what it reads, the benchmark writes
+    def write(rep, rows):
+        with (tmp_path / f"long_chains_pairs_rep{rep}_m.csv").open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=COLUMNS_PAIRS)
+            w.writeheader()
+            for provider, length, step_s in rows:
+                w.writerow(dict(provider=provider, sweep="length", min_len=length, max_len=length, step_s=step_s,
+                                peak_rss_mb=1000, status="ok", load_before=0.9, device="cpu",
+                                timestamp="2026-12-05T10:00:00"))  # fmt: skip
+
+    write(1, [("trl_ckpt", 2000, 100), ("trl_rowfold", 2000, 80), ("gk_blocks", 2000, 60), ("gk_auto", 2000, 40),
+              ("trl_ckpt", 4000, 300), ("gk_blocks", 4000, 150)])  # fmt: skip
+    write(2, [("trl_ckpt", 2000, 200), ("trl_rowfold", 2000, 100), ("gk_blocks", 2000, 90), ("gk_auto", 2000, 90)])
+    write(3, [("trl_ckpt", 2000, 50), ("trl_rowfold", 2000, 50), ("gk_blocks", 2000, 40), ("gk_auto", 2000, 45)])
+    text = pairs_report(tmp_path, "m").read_text()
+    assert "| 2000 | 1 | cpu | 2026-12-05 10:00 | 0.90 | 100.0 | 80.0 | 60.0 | 40.0 | 0.60x | 0.75x | 0.40x | 0.50x |" \
+        in text
+    assert "| 4000 | 1 | cpu | 2026-12-05 10:00 | 0.90 | 300.0 | - | 150.0 | - | 0.50x | - | - | - |" in text
+    # blocks / TRL over the repeats: 0.60, 0.45, 0.80 -> median 0.60; blocks / rowfold: 0.75, 0.90, 0.80
+    assert "| 2000 | 3 | 0.60x (0.45-0.80) | 0.80x (0.75-0.90) | 0.45x (0.40-0.90) | 0.90x (0.50-0.90) |" in text
+    assert "| 4000 | 1 | 0.50x | - | - | - |" in text
+
+
 def test_the_floor_bound_is_the_static_memory_plus_the_checkpointed_inputs_against_trls_peak():
     sys.path.insert(0, str(SCRIPT.parent))
     from long_chains_report import floor_bound

@@ -208,8 +208,9 @@ def report(csv_path: Path) -> None:
 
 
 PAIRS = ("trl_ckpt", "trl_rowfold", "gk_blocks", "gk_auto")  # the back-to-back providers of a pairs run
+# the columns pairs_report reads (long_chains.COLUMNS has them all)
 COLUMNS_PAIRS = ("timestamp", "device", "provider", "sweep", "min_len", "max_len", "step_s", "peak_rss_mb",
-                 "load_before", "status")  # the columns pairs_report reads (long_chains.COLUMNS has them all)
+                 "computed_tokens", "load_before", "status")
 PAIR_RATIOS = (("gk_blocks", "trl_ckpt"), ("gk_blocks", "trl_rowfold"), ("gk_auto", "trl_ckpt"),
                ("gk_auto", "trl_rowfold"))  # fmt: skip
 
@@ -265,6 +266,16 @@ def pairs_report(directory: Path, model: str) -> Path:
         count = sum(1 for n, _ in reps if n == length)
         lines.append(f"| {length} | {count} | "
                      + " | ".join(_span(ratios.get((length, o, b), [])) for o, b in PAIR_RATIOS) + " |")
+    every = [r for got in reps.values() for r in got.values()]
+    # gk_auto checkpoints another number of blocks at each L: its peaks are not one line
+    slopes = {provider: v for provider, v in fit(every).items() if provider != "gk_auto"}
+    if slopes:  # a peak is the same in every run (unlike a time): fitted over all the repeats' rows
+        lines += ["", "Peak memory against tokens computed per step, least squares over every L and repeat (how the "
+                  "memory model fits; TRL without its CPU fold is TRL's memory where its Triton head kernel runs):",
+                  "", "| provider | kB per token | static MB | rows |", "|---|---:|---:|---:|"]  # fmt: skip
+        for provider, (per_token, static) in slopes.items():
+            count = sum(1 for r in every if r["provider"] == provider)
+            lines.append(f"| {provider} | {per_token / 1e3:.1f} | {static:.0f} | {count} |")
     path = directory / f"long_chains_pairs_{model}.md"
     path.write_text("\n".join(lines) + "\n")
     return path

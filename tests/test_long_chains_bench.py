@@ -113,9 +113,11 @@ def test_pairs_report_takes_each_ratio_within_one_repeat_then_the_median_and_ran
         with (tmp_path / f"long_chains_pairs_rep{rep}_m.csv").open("w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=COLUMNS_PAIRS)
             w.writeheader()
-            for provider, length, step_s in rows:
+            for provider, length, step_s in rows:  # peaks: 1000 MB + 0.1 / 0.2 MB per token computed
+                tokens = 8 * length
+                peak = 1000 + tokens * (0.2 if provider == "trl_ckpt" else 0.1)
                 w.writerow(dict(provider=provider, sweep="length", min_len=length, max_len=length, step_s=step_s,
-                                peak_rss_mb=1000, status="ok", load_before=0.9, device="cpu",
+                                peak_rss_mb=peak, computed_tokens=tokens, status="ok", load_before=0.9, device="cpu",
                                 timestamp="2026-12-05T10:00:00"))  # fmt: skip
 
     write(1, [("trl_ckpt", 2000, 100), ("trl_rowfold", 2000, 80), ("gk_blocks", 2000, 60), ("gk_auto", 2000, 40),
@@ -129,6 +131,8 @@ def test_pairs_report_takes_each_ratio_within_one_repeat_then_the_median_and_ran
     # blocks / TRL over the repeats: 0.60, 0.45, 0.80 -> median 0.60; blocks / rowfold: 0.75, 0.90, 0.80
     assert "| 2000 | 3 | 0.60x (0.45-0.80) | 0.80x (0.75-0.90) | 0.45x (0.40-0.90) | 0.90x (0.50-0.90) |" in text
     assert "| 4000 | 1 | 0.50x | - | - | - |" in text
+    # peaks fitted over every L and repeat: 0.2 MB = 209.7 kB per token for TRL (4 rows), 0.1 MB for gk_blocks
+    assert "| trl_ckpt | 209.7 | 1000 | 4 |" in text and "| gk_blocks | 104.9 | 1000 | 4 |" in text
 
 
 def test_the_floor_bound_is_the_static_memory_plus_the_checkpointed_inputs_against_trls_peak():

@@ -44,6 +44,8 @@ Providers (one micro-batch holds the whole step in all of them, so memory grows 
                             static memory per rank drops as well; per-rank peak, each rank capped at
                             min(--cap-gb, --machine-gb / N).
 Loss "dapo", beta 0, on-policy, fp32, 2 CPU threads per process (--threads; 1 per rank for gk_sp).
+The constants named above (ROWFOLD_ROWS, MLP_TILE; also AUTO_SHARE, PROMPT) live in long_chains_worker.py, which
+runs each measurement.
 
 Per row: sp (ranks), peak_rss_mb (VmHWM of the process, the largest rank's for gk_sp), base_rss_mb (RSS before the
 step: model, optimizer state and inputs), step_s, tokens_per_s (real tokens / step_s), padding_fraction (pad tokens

@@ -87,6 +87,13 @@ def memory_model(rows: list[dict], config: dict) -> str:
               "the rows record); GPU attention kernels need "
               "less than the CPU path measured here. The static term on CPU includes the Python process, torch and "
               "the model's fp32 weights, gradients and Adam moments.", ""]
+    if "trl_rowfold" in fits:
+        lines[-1:-1] = ["", "trl_ckpt is TRL on the CPU, where its LM head folds each 4,096-token tile with whole-tile "
+                        "fp32 temporaries: a fixed amount per tile, which lowers its slope and raises its static term. "
+                        "trl_rowfold is TRL with that fold run 128 rows at a time (its memory where its Triton head "
+                        "kernel runs on a GPU), fitted on the equal-length pairs runs "
+                        "(long_chains_pairs_rep<N>_<model>.csv, another machine's rows: peaks, not times): the TRL "
+                        "row to set beside ours, and its 7B columns are TRL's on a GPU as far as this model goes."]
     return "\n".join(lines + component_model(rows, config) + floor_bound(rows, config) + longest_table(rows))
 
 
@@ -165,12 +172,15 @@ def floor_bound(rows: list[dict], config: dict, length: int = 4000, group: int =
     if "trl_ckpt" not in at or "gk_tiled" not in at:
         return []
     trl, ours = float(at["trl_ckpt"]["peak_rss_mb"]), at["gk_tiled"]
+    rowfold = float(at["trl_rowfold"]["peak_rss_mb"]) if "trl_rowfold" in at else None
     floor_mb = config["layers"] * config["hidden"] * 4 * float(ours["computed_tokens"]) / 2**20
     static, peak = float(ours["base_rss_mb"]), float(ours["peak_rss_mb"])
     bound = static + floor_mb
     return [f"## How low block checkpoints can go ({group} x {length}, measured)", "",
             f"TRL (checkpointing on) peaks at {trl:.0f} MB, ours with the tiled MLP at {peak:.0f} MB "
-            f"({peak / trl:.2f}x). Of ours, {static:.0f} MB are there before the step (weights, gradients, Adam "
+            f"({peak / trl:.2f}x)"
+            + (f"; TRL without its CPU fold peaks at {rowfold:.0f} MB (ours {peak / rowfold:.2f}x of it)"
+               if rowfold else "") + f". Of ours, {static:.0f} MB are there before the step (weights, gradients, Adam "
             f"moments, the process: RSS after a warm-up step) and {floor_mb:.0f} MB are the checkpointed block "
             f"inputs of its {int(ours['computed_tokens'])} tokens (the floor): {bound:.0f} MB, {bound / trl:.2f}x "
             f"TRL's peak with no working memory at all; the working set above them is {peak - bound:.0f} MB. Below "
@@ -195,8 +205,9 @@ def report(csv_path: Path) -> None:
     config = _model_config(rows[-1]["model"])
     # beside the committed CSVs, memory_model.md is the main CSV's fit (a side sweep's CSV there has fewer providers)
     side = csv_path.resolve().parent == RESULTS and csv_path.name != f"long_chains_{rows[-1]['model']}.csv"
-    if config is not None and not side:
-        (csv_path.parent / "memory_model.md").write_text(memory_model(rows, config))
+    if config is not None and not side:  # with TRL without its CPU fold from the pairs runs beside it
+        extra = [r for r in _pairs_rows(csv_path.parent, rows[-1]["model"]) if r["provider"] == "trl_rowfold"]
+        (csv_path.parent / "memory_model.md").write_text(memory_model(rows + extra, config))
     elif side and longest_table(rows):  # a side sweep of longest chains (e.g. under another cap): its own table
         csv_path.with_suffix(".md").write_text("\n".join([f"Rows: {csv_path.name}.", "", *longest_table(rows)]))
     if side and csv_path.name.startswith("long_chains_pairs_rep"):  # one repeat of the back-to-back pairs
@@ -223,17 +234,24 @@ def _span(values: list[float]) -> str:
     return f"{mid:.2f}x ({values[0]:.2f}-{values[-1]:.2f})" if len(values) > 1 else f"{values[0]:.2f}x"
 
 
+def _pairs_rows(directory: Path, model: str) -> list[dict]:
+    """The ok equal-length rows of every long_chains_pairs_rep<N>_<model>.csv in directory, each with its "rep"."""
+    out = []
+    for path in sorted(directory.glob(f"long_chains_pairs_rep*_{model}.csv")):
+        rep = path.name[len("long_chains_pairs_rep") :].split("_", 1)[0]
+        out += [dict(r, rep=rep) for r in _csv_rows(path)
+                if r["status"] == "ok" and r["sweep"] == "length" and r["min_len"] == r["max_len"]]  # fmt: skip
+    return out
+
+
 def pairs_report(directory: Path, model: str) -> Path:
     """long_chains_pairs_<model>.md from every long_chains_pairs_rep<N>_<model>.csv in directory: per equal length
     and repeat (one run of the providers back to back), the step times, peaks and time ratios of ours to TRL and to
     TRL without its CPU fold (trl_rowfold); then per length the median and range of each ratio over the repeats.
     A ratio is only taken within one repeat: the machine's speed moves between runs."""
     reps = {}  # (length, rep) -> {provider: row}
-    for path in sorted(directory.glob(f"long_chains_pairs_rep*_{model}.csv")):
-        rep = path.name[len("long_chains_pairs_rep") :].split("_", 1)[0]
-        for r in _csv_rows(path):
-            if r["status"] == "ok" and r["sweep"] == "length" and r["min_len"] == r["max_len"]:
-                reps.setdefault((int(r["max_len"]), rep), {})[r["provider"]] = r
+    for r in _pairs_rows(directory, model):
+        reps.setdefault((int(r["max_len"]), r["rep"]), {})[r["provider"]] = r
     lines = [f"# Equal-length steps back to back, {model}: ours against TRL and TRL without its CPU fold", "",
              "Rows: long_chains_pairs_rep<N>_<model>.csv, one run of `python -m benchmarks.long_chains --sweeps length "
              "--providers trl_ckpt,trl_rowfold,gk_blocks,gk_auto --min-len L --max-len L --cap-gb 12 --csv ...` each "

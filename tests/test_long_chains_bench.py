@@ -152,6 +152,37 @@ def test_the_floor_bound_is_the_static_memory_plus_the_checkpointed_inputs_again
     assert f"{600 + floor:.0f} MB, {(600 + floor) / 1000:.2f}x TRL's peak" in text
     assert f"the working set above them is {200 - floor:.0f} MB" in text
     assert floor_bound(rows[1:], dict(layers=30, hidden=576, intermediate=1536)) == []  # no TRL row: nothing
+    rowfold = dict(point, provider="trl_rowfold", peak_rss_mb="640", base_rss_mb="600", computed_tokens="99")
+    text = "\n".join(floor_bound([*rows, rowfold], dict(layers=30, hidden=576, intermediate=1536)))
+    assert "(0.80x); TRL without its CPU fold peaks at 640 MB (ours 1.25x of it). Of ours, 600 MB" in text
+
+
+def test_the_memory_model_fits_trl_without_its_fold_from_the_pairs_runs_beside_the_main_csv(tmp_path):
+    """report() of the main CSV adds the trl_rowfold rows of the pairs CSVs in its directory (and only those) to the
+    memory model: a fitted row of its own and the note on which TRL row to set beside ours."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from long_chains import COLUMNS
+    from long_chains_report import report
+
+    def write(path, rows):
+        with path.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=COLUMNS, restval="")
+            w.writeheader()
+            for provider, length, peak in rows:
+                w.writerow(dict(provider=provider, sweep="length", status="ok", model="smollm2-135m", group_size=8,
+                                min_len=length, max_len=length, computed_tokens=8 * length, peak_rss_mb=peak,
+                                cap_mb=12288))  # fmt: skip
+
+    write(tmp_path / "main.csv", [("trl_ckpt", 1000, 3000), ("trl_ckpt", 2000, 4000), ("gk_blocks", 1000, 2000),
+                                  ("gk_blocks", 2000, 2500)])  # fmt: skip
+    # rowfold: 1000 MB + 0.05 MB (52.4 kB) per token; blocks: 1500 + 0.0625 MB; the pairs' gk_blocks rows stay out
+    write(tmp_path / "long_chains_pairs_rep1_smollm2-135m.csv",
+          [("trl_rowfold", 1000, 1400), ("trl_rowfold", 2000, 1800), ("gk_blocks", 1000, 9000),
+           ("gk_blocks", 2000, 99999)])  # fmt: skip
+    report(tmp_path / "main.csv")
+    model = (tmp_path / "memory_model.md").read_text()
+    assert "| trl_rowfold | 52.4 kB | 1000 |" in model and "| gk_blocks | 65.5 kB | 1500 |" in model
+    assert "trl_rowfold is TRL with that fold run 128 rows at a time" in model
 
 
 def test_longest_search_doubles_then_bisects_to_five_percent():

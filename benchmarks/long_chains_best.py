@@ -84,7 +84,7 @@ def search(measure_k, n_rows: int, *, confirm: bool = False) -> list[dict]:
         row = measure_k(k)
         rows.append(row)
         if row["status"] == "ok":
-            if best is not None and row["step_s"] >= best["step_s"]:
+            if best is not None and float(row["step_s"]) >= float(best["step_s"]):  # a resumed row: str
                 break
             best = row
             if not confirm:

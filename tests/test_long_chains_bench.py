@@ -295,6 +295,9 @@ def test_best_search_stops_after_the_fastest_fitting_micro_batching():
     assert asked == [1, 2]  # fitted at 1, the next did not: stop
     measure, asked = fake({1: ("over_cap", None), 2: ("over_cap", None)})
     assert [r["status"] for r in search(measure, 2)] == ["over_cap", "over_cap"]  # none fits: every k up to n tried
+    # --confirm resumed on a CSV: the rows read back hold strings (538.7 s at k = 1), the new one a float
+    measure, asked = fake({1: ("ok", "538.66"), 2: ("ok", 524.7), 4: ("ok", 600.0)})
+    assert [r["k"] for r in search(measure, 4, confirm=True)] == [1, 2, 4]
 
 
 def test_best_lengths_are_seeded_in_range_and_follow_their_distribution():

@@ -117,7 +117,9 @@ def check_loss_inputs(options, *, num_items_in_batch, ref_logps, sampler_logps) 
             raise ValueError(f"num_items_in_batch must be a scalar, got shape {tuple(num_items_in_batch.shape)}")
         if num_items_in_batch.device.type == "meta":
             raise ValueError("num_items_in_batch is a meta tensor: it has no value")
-        if not torch.compiler.is_compiling():  # one scalar host read (TRL's value lives on the device)
+        # A CPU tensor's value is checked here; a CUDA tensor's is not read on the host (that read would be the
+        # call's only host sync): the loss is NaN where it is <= 0.
+        if num_items_in_batch.device.type == "cpu" and not torch.compiler.is_compiling():
             check_number("num_items_in_batch", num_items_in_batch.item(), low=0.0, low_open=True)
     else:
         check_number("num_items_in_batch", num_items_in_batch, low=0.0, low_open=True, allow_none=True)
@@ -141,8 +143,9 @@ def check_like(name, x, logps, *, float_only=True) -> None:
         raise ValueError(f"{name} requires grad, but grpo_loss differentiates w.r.t. logps only: detach it")
 
 
-def check_loss_layout(logps, advantages, mask, cu_seqlens, max_seqlen):
-    """-> (num_seqs, cu_seqlens int64 on the device, max_seqlen, advantages per token?)."""
+def check_loss_layout(logps, advantages, mask, cu_seqlens, max_seqlen, *, padded_cu=True):
+    """-> (num_seqs, cu_seqlens int64 on the device, max_seqlen, advantages per token?). For padded logps the
+    cu_seqlens are built (row starts s L), or None with padded_cu=False."""
     if not isinstance(logps, torch.Tensor) or logps.dtype not in _FLOATS:
         got = logps.dtype if isinstance(logps, torch.Tensor) else type(logps).__name__
         raise ValueError(f"logps must be a float32/bfloat16/float16 tensor, got {got}")
@@ -152,7 +155,7 @@ def check_loss_layout(logps, advantages, mask, cu_seqlens, max_seqlen):
                 f"logps must be padded [B, L] (with mask) or packed [T] with cu_seqlens, got {tuple(logps.shape)}"
             )
         b, length = logps.shape
-        cu = torch.arange(b + 1, device=logps.device, dtype=torch.int64) * length
+        cu = torch.arange(b + 1, device=logps.device, dtype=torch.int64) * length if padded_cu else None
         max_len = length
     else:
         if logps.dim() != 1:

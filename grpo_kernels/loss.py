@@ -8,6 +8,7 @@ from . import reference
 from ._checks import check_impl, check_like, check_loss_inputs, check_loss_layout
 from .logprobs import selective_logprobs
 from .ops import loss as _ops
+from .ops import loss_fused as _fused_ops
 from .options import LOSS_TYPES, SAMPLER_IS_MODES, loss_options
 
 __all__ = ["GRPOLoss", "LOSS_TYPES", "SAMPLER_IS_MODES", "grpo_loss", "grpo_loss_from_logits"]
@@ -112,11 +113,18 @@ def grpo_loss(
         vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
     )  # fmt: skip
     check_loss_inputs(options, num_items_in_batch=num_items_in_batch, ref_logps=ref_logps, sampler_logps=sampler_logps)
-    b, cu, max_len, adv_per_token = check_loss_layout(logps, advantages, mask, cu_seqlens, max_seqlen)
+    check_impl(impl, logps.device, "logps")
+    # The token-level loss types on the Triton backend, outside torch.compile: one launch each way (ops/loss_fused).
+    fused = (impl == "triton" or (impl == "auto" and logps.is_cuda)) and not options.whole_sequence
+    fused = fused and not torch.compiler.is_compiling()
+    b, cu, max_len, adv_per_token = check_loss_layout(logps, advantages, mask, cu_seqlens, max_seqlen,
+                                                      padded_cu=not fused)  # fmt: skip
     for name, x in (("old_logps", old_logps), ("ref_logps", ref_logps), ("sampler_logps", sampler_logps)):
         if x is not None:
             check_like(name, x, logps)
-    check_impl(impl, logps.device, "logps")
+    if fused:
+        return _fused_loss(logps, old_logps, advantages, ref_logps if options.beta != 0.0 else None, sampler_logps,
+                           mask, cu, b, max_len, adv_per_token, options, num_items_in_batch)  # fmt: skip
     if impl == "reference":
         return reference.grpo_loss(
             logps, old_logps, advantages, ref_logps=ref_logps, mask=mask, cu_seqlens=cu_seqlens,
@@ -131,6 +139,18 @@ def grpo_loss(
     )  # fmt: skip
     return _ops.finish(stats, None if adv_per_token else advantages, options, sampler=sampler_logps is not None,
                        cu_seqlens=cu, num_items_in_batch=num_items_in_batch)  # fmt: skip
+
+
+def _fused_loss(logps, old, adv, ref, sampler, mask, cu, b, max_len, adv_per_token, options, num_items_in_batch):
+    """grpo_loss through ops/loss_fused: inputs in their own dtypes, flat views (a copy only where not contiguous)."""
+    if num_items_in_batch is not None and isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(logps.device)  # (a no-op on the same device)
+    rest = (*map(_fused_ops.flat, (old, ref, sampler, adv)), adv_per_token, _fused_ops.flat(mask), cu, b, max_len,
+            options.kernel_scalars(), _fused_ops.divisor_of(options, b, num_items_in_batch))  # fmt: skip
+    loss, metrics = _fused_ops.FusedTokenLoss.apply(logps if logps.is_contiguous() else logps.contiguous(), rest)
+    values = metrics.unbind()
+    picks = _fused_ops.metric_picks(options, sampler is not None)
+    return loss, dict(zip(options.metric_names(sampler=sampler is not None), [values[i] for i in picks], strict=True))
 
 
 def grpo_loss_from_logits(

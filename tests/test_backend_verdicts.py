@@ -16,6 +16,7 @@ import torch
 import grpo_kernels as gk
 from grpo_kernels import reference
 from grpo_kernels.ops import loss as loss_ops
+from grpo_kernels.ops import loss_fused
 
 BACKENDS = ["cpp", "triton"]
 EDGE = [float("nan"), float("inf"), -float("inf"), 3e38, -3e38, 1e30, -1e30, 1e-30, 0.0, -0.0]
@@ -26,6 +27,8 @@ CASES = 24
 def _small_triton_chunks(monkeypatch):
     monkeypatch.setattr(loss_ops, "BLOCK", 8)
     monkeypatch.setattr(loss_ops, "CHUNK", 16)
+    monkeypatch.setattr(loss_fused, "BLOCK", 8)  # the fused token-level path: two blocks of one sequence per chunk
+    monkeypatch.setattr(loss_fused, "CHUNK", 16)
 
 
 def sprinkle(x: torch.Tensor, g: torch.Generator, values, p: float) -> torch.Tensor:

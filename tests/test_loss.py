@@ -10,6 +10,7 @@ from helpers import LOSS_TYPES, assert_close, assert_lowp_no_worse, device_for
 import grpo_kernels as gk
 from grpo_kernels import reference
 from grpo_kernels.ops import loss as loss_ops
+from grpo_kernels.ops import loss_fused
 
 # "cpp-portable" is the C++ backend with its AVX-512 path switched off (the code other CPUs run).
 IMPLS = ["cpp", "cpp-portable", "triton"]
@@ -24,6 +25,8 @@ def _small_triton_chunks(monkeypatch):
     """Small Triton tiles: the interpreter runs faster and short test sequences still span several chunks."""
     monkeypatch.setattr(loss_ops, "BLOCK", 8)
     monkeypatch.setattr(loss_ops, "CHUNK", 16)
+    monkeypatch.setattr(loss_fused, "BLOCK", 8)  # the fused token-level path: two blocks of one sequence per chunk
+    monkeypatch.setattr(loss_fused, "CHUNK", 16)
 
 
 def make_batch(b=6, length=21, *, device="cpu", dtype=torch.float64, empty_row=True):

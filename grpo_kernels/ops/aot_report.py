@@ -20,7 +20,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-from . import advantages, logprobs, loss
+from . import advantages, logprobs, loss, loss_fused
 
 # The oldest Triton whose compile CI checks (`make aot-compat`, the Triton of the torch 2.10/2.11 images);
 # pyproject.toml's `triton>=` is the same version (a test checks). The report refuses older ones. Measured:
@@ -162,38 +162,54 @@ def _loss_variants() -> list[KernelVariant]:
         label = f"{dtype},old={has_old},sampler={has_sampler},mask={has_mask},vespo={vespo}"
         variants.append(KernelVariant(kernel=loss._grpo_seq_stats_kernel, label=label, signature=sig,
                                       constexprs={**flags, **tiles}, num_warps=loss.NUM_WARPS))  # fmt: skip
-    for dtype, family, seq, old, kl, sampler, mask, per_token in [
-        ("fp32", "dapo", False, True, True, False, True, False),
-        ("bf16", "grpo", True, True, True, True, True, True),
-        ("fp32", "cispo", False, True, True, True, True, False),
-        ("bf16", "sapo", False, False, False, True, False, False),
-        ("fp32", "vespo", False, True, True, True, True, False),
-        ("bf16", "vespo", True, True, True, True, True, True),
+    # The registered op's variants (sequence level, vespo, CHUNK = 4 blocks), then the fused token-level ones of
+    # ops/loss_fused (FINISH: the last program's reduction; inputs in their own dtypes; padded rows or cu_seqlens).
+    fused_tiles = {"BLOCK": loss_fused.BLOCK, "CHUNK": loss_fused.CHUNK}
+    for dtype, family, seq, old, kl, sampler, mask, per_token, finish in [
+        ("fp32", "dapo", False, True, True, False, "fp32", False, False),
+        ("bf16", "grpo", True, True, True, True, "fp32", True, False),
+        ("fp32", "cispo", False, True, True, True, "fp32", False, False),
+        ("bf16", "sapo", False, False, False, True, None, False, False),
+        ("fp32", "vespo", False, True, True, True, "fp32", False, False),
+        ("bf16", "vespo", True, True, True, True, "fp32", True, False),
+        ("fp32", "dapo", False, True, True, False, "fp32", False, "padded"),
+        ("bf16", "grpo", False, True, True, True, "i1", True, "packed"),
+        ("bf16", "cispo", False, True, True, True, "bf16", False, "packed"),
+        ("fp32", "sapo", False, False, False, False, None, False, "padded"),
     ]:
+        inputs = "bf16" if finish and dtype == "bf16" else "fp32"  # the fused path reads old / ref / adv as given
         sig = {
-            "logp_ptr": f"*{dtype}", "old_ptr": "*fp32", "ref_ptr": "*fp32", "sampler_ptr": "*fp32", "adv_ptr": "*fp32",
-            "mask_ptr": "*fp32", "cu_ptr": "*i64", "seq_logw_ptr": "*fp32", "seq_is_ptr": "*fp32",
-            "seq_phi_ptr": "*fp32", "coef_ptr": "*fp32",
-            "partial_ptr": "*fp32", "num_chunks": "i32", "eps_low": "fp32", "eps_high": "fp32", "delta": "fp32",
+            "logp_ptr": f"*{dtype}", "old_ptr": f"*{inputs}", "ref_ptr": f"*{inputs}", "sampler_ptr": f"*{inputs}",
+            "adv_ptr": f"*{inputs}", "mask_ptr": f"*{mask or 'fp32'}", "cu_ptr": "*i64", "seq_logw_ptr": "*fp32",
+            "seq_is_ptr": "*fp32", "seq_phi_ptr": "*fp32", "coef_ptr": "*fp32",
+            "partial_ptr": "*fp64", "num_chunks": "i32", "eps_low": "fp32", "eps_high": "fp32", "delta": "fp32",
             "beta": "fp32", "bias_kl": "i32", "sampler_cap": "fp32", "sampler_truncate": "i32",
-            "sampler_per_seq": "i32", "tau_pos": "fp32", "tau_neg": "fp32",
+            "sampler_per_seq": "i32", "tau_pos": "fp32", "tau_neg": "fp32", "row_len": "i64", "counter_ptr": "*i32",
+            "loss_ptr": "*fp32", "metrics_ptr": "*fp32", "scale_ptr": "*fp32", "num_items_ptr": "*i64",
+            "num_seqs": "i32", "div_kind": "i32", "div_value": "fp32",
             **dict.fromkeys(("LOSS", "SEQ_LEVEL", "HAS_OLD", "HAS_KL", "HAS_SAMPLER", "HAS_MASK", "ADV_PER_TOKEN",
-                             "BLOCK", "CHUNK"), "constexpr"),
+                             "PADDED", "FINISH", "BLOCK", "CHUNK"), "constexpr"),
         }  # fmt: skip
         flags = {"LOSS": loss.LOSS_FAMILIES[family], "SEQ_LEVEL": seq, "HAS_OLD": old, "HAS_KL": kl,
-                 "HAS_SAMPLER": sampler, "HAS_MASK": mask, "ADV_PER_TOKEN": per_token}  # fmt: skip
+                 "HAS_SAMPLER": sampler, "HAS_MASK": mask is not None, "ADV_PER_TOKEN": per_token,
+                 "PADDED": finish == "padded", "FINISH": bool(finish)}  # fmt: skip
         label = f"{dtype},{family},{'sequence' if seq else 'token'},old={old},kl={kl},sampler={sampler}"
+        label += f",fused {finish}, mask {mask}" if finish else ""
         variants.append(KernelVariant(kernel=loss._grpo_loss_fwd_kernel, label=label, signature=sig,
-                                      constexprs={**flags, **tiles}, num_warps=loss.NUM_WARPS))  # fmt: skip
-    for dtype, seq, mask in [("fp32", True, True), ("bf16", False, False)]:
+                                      constexprs={**flags, **(fused_tiles if finish else tiles)},
+                                      num_warps=loss.NUM_WARPS))  # fmt: skip
+    for dtype, seq, mask, fused in [("fp32", True, True, False), ("bf16", False, False, False),
+                                    ("bf16", False, False, "padded"), ("fp32", False, False, "packed")]:  # fmt: skip
         sig = {
             "a_ptr": "*fp32", "b_ptr": "*fp32", "coef_ptr": "*fp32", "mask_ptr": "*fp32", "cu_ptr": "*i64",
-            "grad_ptr": f"*{dtype}", "num_chunks": "i32", "SEQ_LEVEL": "constexpr", "HAS_MASK": "constexpr",
-            "BLOCK": "constexpr", "CHUNK": "constexpr",
+            "grad_ptr": f"*{dtype}", "num_chunks": "i32", "a_stride": "i32", "g_ptr": "*fp32", "row_len": "i64",
+            **dict.fromkeys(("SEQ_LEVEL", "HAS_MASK", "HAS_G", "PADDED", "BLOCK", "CHUNK"), "constexpr"),
         }  # fmt: skip
-        variants.append(KernelVariant(kernel=loss._grpo_loss_bwd_kernel, label=f"{dtype},seq={seq},mask={mask}",
-                                      signature=sig, constexprs={"SEQ_LEVEL": seq, "HAS_MASK": mask, **tiles},
-                                      num_warps=loss.NUM_WARPS))  # fmt: skip
+        consts = {"SEQ_LEVEL": seq, "HAS_MASK": mask, "HAS_G": bool(fused), "PADDED": fused == "padded",
+                  **(fused_tiles if fused else tiles)}  # fmt: skip
+        variants.append(KernelVariant(kernel=loss._grpo_loss_bwd_kernel,
+                                      label=f"{dtype},seq={seq},mask={mask}" + (f",fused {fused}" if fused else ""),
+                                      signature=sig, constexprs=consts, num_warps=loss.NUM_WARPS))  # fmt: skip
     return variants
 
 

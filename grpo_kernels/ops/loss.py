@@ -130,9 +130,9 @@ def grpo_loss_fwd_triton(
             logps, dummy if old is None else old, dummy if ref is None else ref, dummy if sampler is None else sampler,
             adv, dummy if mask is None else mask, cu_seqlens, seq_logw, seq_is, seq_phi, coef, part, chunks,
             eps_low, eps_high, delta, beta, int(bias_kl), sampler_cap, int(sampler_mode in (0, 2)),
-            int(seq_sampler), tau_pos, tau_neg,
+            int(seq_sampler), tau_pos, tau_neg, 0, *(dummy,) * 5, b, 0, 0.0,
             LOSS=loss_family, SEQ_LEVEL=seq_level, HAS_KL=ref is not None, ADV_PER_TOKEN=adv_per_token,
-            **flags, BLOCK=BLOCK, CHUNK=CHUNK, num_warps=NUM_WARPS,
+            **flags, PADDED=False, FINISH=False, BLOCK=BLOCK, CHUNK=CHUNK, num_warps=NUM_WARPS,
         )  # fmt: skip
     phi_col = per_sequence_phi(seq_phi, adv, adv_per_token) if vespo else torch.zeros_like(seq_logw)
     return torch.cat([part.sum(1), seq_logw[:, None].double(), phi_col[:, None].double()], dim=1), coef
@@ -146,8 +146,9 @@ def grpo_loss_bwd_triton(a, b_coef, coef, mask, cu_seqlens, max_seqlen, seq_leve
     chunks = _num_chunks(max_seqlen)
     if b:
         _grpo_loss_bwd_kernel[(b * chunks,)](
-            a, b_coef, coef, coef if mask is None else mask, cu_seqlens, grad, chunks,
-            SEQ_LEVEL=seq_level, HAS_MASK=mask is not None, BLOCK=BLOCK, CHUNK=CHUNK, num_warps=NUM_WARPS,
+            a, b_coef, coef, coef if mask is None else mask, cu_seqlens, grad, chunks, 1, a, 0,
+            SEQ_LEVEL=seq_level, HAS_MASK=mask is not None, HAS_G=False, PADDED=False, BLOCK=BLOCK, CHUNK=CHUNK,
+            num_warps=NUM_WARPS,
         )  # fmt: skip
     return grad
 

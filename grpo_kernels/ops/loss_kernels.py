@@ -85,28 +85,94 @@ def _grpo_seq_stats_kernel(
 
 
 @triton.jit
+def _finish_loss(
+    partial_ptr, cu_ptr, row_len, num_seqs, num_chunks, loss_ptr, metrics_ptr, scale_ptr, num_items_ptr, div_kind,
+    div_value, PADDED: tl.constexpr,
+):  # fmt: skip
+    """One program's pass over the [num_seqs, num_chunks, 9] fp64 partials, in a fixed order (deterministic):
+    loss_ptr <- the loss with its normalizer, metrics_ptr[0:6] <- the clip low / high / region, ratio, KL and sampler
+    columns over max(sum m, 1), scale_ptr <- d loss / d (sum_t m l) of each sequence (div_kind 0) or of all (else).
+    div_kind: 0 mean over sequences of each one's sum / max(its sum m, 1) (grpo, sapo); 1 sum / div_value (luspo:
+    B; dr_grpo: B max_completion_length; dapo / cispo: max(num_items_in_batch, 1)); 2 sum / max(sum m, 1); 3 sum /
+    (B longest sequence) (dr_grpo); 4 sum / max(num_items_ptr[0], 1), NaN where that value is <= 0 (a device
+    tensor's value, never read on the host)."""
+    cols = tl.arange(0, 16)
+    totals = tl.zeros((16,), dtype=tl.float64)
+    seq_means = tl.zeros((64,), dtype=tl.float64)
+    longest = tl.zeros((64,), dtype=tl.int64)
+    for s0 in range(0, num_seqs, 64):
+        seqs = s0 + tl.arange(0, 64).to(tl.int64)
+        ok = seqs < num_seqs
+        tile = tl.zeros((64, 16), dtype=tl.float64)
+        for c in range(0, num_chunks):
+            ptrs = partial_ptr + (seqs[:, None] * num_chunks + c) * 9 + cols[None, :]
+            tile += tl.load(ptrs, mask=ok[:, None] & (cols[None, :] < 9), other=0.0, cache_modifier=".cg")
+        totals += tl.sum(tile, axis=0)
+        n_s = tl.maximum(tl.sum(tl.where(cols[None, :] == 1, tile, 0.0), axis=1), 1.0)
+        seq_means += tl.where(ok, tl.sum(tl.where(cols[None, :] == 0, tile, 0.0), axis=1) / n_s, 0.0)
+        if div_kind == 0:
+            tl.store(scale_ptr + seqs, (1.0 / (n_s * num_seqs)).to(tl.float32), mask=ok)
+        if not PADDED:
+            lo = tl.load(cu_ptr + seqs, mask=ok, other=0).to(tl.int64)
+            hi = tl.load(cu_ptr + seqs + 1, mask=ok, other=0).to(tl.int64)
+            longest = tl.maximum(longest, hi - lo)
+    tokens = tl.maximum(tl.sum(tl.where(cols == 1, totals, 0.0), axis=0), 1.0)
+    loss_sum = tl.sum(tl.where(cols == 0, totals, 0.0), axis=0)
+    if PADDED:
+        max_len = tl.cast(row_len, tl.float64)  # (tl.cast: row_len arrives as a constexpr when it is 1)
+    else:
+        max_len = tl.max(longest, axis=0).to(tl.float64)
+    divisor = tl.cast(div_value, tl.float64)
+    if div_kind == 2:
+        divisor = tokens
+    elif div_kind == 3:
+        divisor = max_len * num_seqs
+    elif div_kind == 4:
+        items = tl.load(num_items_ptr).to(tl.float64)
+        divisor = tl.where(items > 0.0, tl.maximum(items, 1.0), float("nan"))
+    if div_kind == 0:
+        loss = tl.sum(seq_means, axis=0) / num_seqs
+    else:
+        loss = loss_sum / divisor
+        tl.store(scale_ptr, (1.0 / divisor).to(tl.float32))
+    tl.store(loss_ptr, loss.to(tl.float32))
+    tl.store(metrics_ptr + cols - 3, (totals / tokens).to(tl.float32), mask=(cols >= 3) & (cols < 9))
+
+
+@triton.jit
 def _grpo_loss_fwd_kernel(
     logp_ptr, old_ptr, ref_ptr, sampler_ptr, adv_ptr, mask_ptr, cu_ptr, seq_logw_ptr, seq_is_ptr, seq_phi_ptr,
     coef_ptr, partial_ptr, num_chunks,
     eps_low, eps_high, delta, beta, bias_kl, sampler_cap, sampler_truncate, sampler_per_seq, tau_pos, tau_neg,
+    row_len, counter_ptr, loss_ptr, metrics_ptr, scale_ptr, num_items_ptr, num_seqs, div_kind, div_value,
     LOSS: tl.constexpr, SEQ_LEVEL: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr,
-    HAS_SAMPLER: tl.constexpr, HAS_MASK: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, BLOCK: tl.constexpr,
-    CHUNK: tl.constexpr,
+    HAS_SAMPLER: tl.constexpr, HAS_MASK: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, PADDED: tl.constexpr,
+    FINISH: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
+    """Per (sequence, chunk): coef_t and the partial sums (see ops/loss.py). PADDED: sequence s is the row
+    [s row_len, (s + 1) row_len) (no cu_seqlens read). FINISH: the last program to finish also reduces every
+    partial into the loss, the metrics and the backward's factors (_finish_loss); the other arguments after
+    tau_neg are read only then. Inputs other than logps are read in any float (mask: any) dtype, as fp32."""
     pid = tl.program_id(0).to(tl.int64)
     seq = pid // num_chunks
-    start = tl.load(cu_ptr + seq).to(tl.int64)
-    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    if PADDED:
+        start = seq * row_len
+        end = start + row_len
+    else:
+        start = tl.load(cu_ptr + seq).to(tl.int64)
+        end = tl.load(cu_ptr + seq + 1).to(tl.int64)
     chunk_start = start + (pid % num_chunks) * CHUNK
     if SEQ_LEVEL:
         seq_logw = tl.load(seq_logw_ptr + seq)
     if HAS_SAMPLER:
-        seq_is = tl.load(seq_is_ptr + seq)
+        seq_is = 1.0
+        if sampler_per_seq != 0:
+            seq_is = tl.load(seq_is_ptr + seq)
     if LOSS == 3:
         phi_pos = tl.load(seq_phi_ptr + 2 * seq)
         phi_neg = tl.load(seq_phi_ptr + 2 * seq + 1)
     if not ADV_PER_TOKEN:
-        seq_adv = tl.load(adv_ptr + seq)
+        seq_adv = tl.load(adv_ptr + seq).to(tl.float32)
     if HAS_KL:
         log_beta = tl.log(beta)
     # The value sums (loss, dl/dw, ratio, KL, sampler diff) in fp64: a chunk's sum of finite fp32 terms may pass
@@ -125,12 +191,15 @@ def _grpo_loss_fwd_kernel(
     for i in range(0, CHUNK, BLOCK):
         offs = chunk_start + i + tl.arange(0, BLOCK)
         inb = offs < end
-        m = tl.load(mask_ptr + offs, mask=inb, other=0.0) if HAS_MASK else tl.where(inb, 1.0, 0.0)
+        m = tl.load(mask_ptr + offs, mask=inb, other=0).to(tl.float32) if HAS_MASK else tl.where(inb, 1.0, 0.0)
         on = m != 0.0
         lp = tl.load(logp_ptr + offs, mask=inb, other=0.0).to(tl.float32)
-        old = tl.load(old_ptr + offs, mask=inb, other=0.0) if HAS_OLD else lp
+        old = tl.load(old_ptr + offs, mask=inb, other=0.0).to(tl.float32) if HAS_OLD else lp
         # (a scalar advantage is broadcast to the block: the interpreter cannot `&` a scalar and a block mask)
-        adv = tl.load(adv_ptr + offs, mask=inb, other=0.0) if ADV_PER_TOKEN else seq_adv + tl.zeros_like(lp)
+        if ADV_PER_TOKEN:
+            adv = tl.load(adv_ptr + offs, mask=inb, other=0.0).to(tl.float32)
+        else:
+            adv = seq_adv + tl.zeros_like(lp)
         log_w = seq_logw + tl.zeros_like(lp) if SEQ_LEVEL else lp - old
         w = tl.exp(log_w)  # +inf above log w = 88.72: see _times_w
         # The policy term l = pol(w), its derivative in w, and its direct derivative in logp. min / clamp propagate
@@ -174,7 +243,7 @@ def _grpo_loss_fwd_kernel(
             dpol_dw = tl.zeros_like(lp)
             direct = -phi * adv
         if HAS_SAMPLER:
-            sampler = tl.load(sampler_ptr + offs, mask=inb, other=0.0)
+            sampler = tl.load(sampler_ptr + offs, mask=inb, other=0.0).to(tl.float32)
             if LOSS != 3:  # vespo's sampler weights are in phi
                 r_tok = _sampler_weight((old - sampler) * m, sampler_cap, sampler_truncate)
                 r = tl.where(sampler_per_seq != 0, seq_is, r_tok)
@@ -185,7 +254,7 @@ def _grpo_loss_fwd_kernel(
             acc_diff += tl.sum(tl.where(on & (diff == diff), m * tl.minimum(diff, FLT_MAX), 0.0).to(tl.float64),
                                axis=0)  # nan_to_num
         if HAS_KL:  # beta k3 k, k3 = exp(ref - logp) - (ref - logp) - 1, k = w with the bias correction, else 1
-            dr = tl.load(ref_ptr + offs, mask=inb, other=0.0) - lp
+            dr = tl.load(ref_ptr + offs, mask=inb, other=0.0).to(tl.float32) - lp
             # beta exp(dr) and beta exp(dr) w as single exps: finite wherever the products are, even when
             # exp(dr) alone overflows (a token the policy has all but ruled out).
             be = tl.exp(dr + log_beta)
@@ -232,20 +301,37 @@ def _grpo_loss_fwd_kernel(
     tl.store(out + 6, tl.sum(acc_ratio, axis=0))
     tl.store(out + 7, tl.sum(acc_kl, axis=0))
     tl.store(out + 8, tl.sum(acc_diff, axis=0))
+    if FINISH:  # the last program to get here (an integer ticket: the order of the sums does not depend on it)
+        tl.debug_barrier()  # every thread's partial stores come before the ticket (release), ...
+        ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+        if ticket == tl.num_programs(0) - 1:  # ... and the last program's loads after it (acquire)
+            _finish_loss(partial_ptr, cu_ptr, row_len, num_seqs, num_chunks, loss_ptr, metrics_ptr, scale_ptr,
+                         num_items_ptr, div_kind, div_value, PADDED)
+            tl.atomic_xchg(counter_ptr, 0)  # ready for the next call on this stream, with no memset launch
+
+
 
 
 @triton.jit
 def _grpo_loss_bwd_kernel(
-    a_ptr, b_ptr, coef_ptr, mask_ptr, cu_ptr, grad_ptr, num_chunks,
-    SEQ_LEVEL: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+    a_ptr, b_ptr, coef_ptr, mask_ptr, cu_ptr, grad_ptr, num_chunks, a_stride, g_ptr, row_len,
+    SEQ_LEVEL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_G: tl.constexpr, PADDED: tl.constexpr,
+    BLOCK: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """grad_t = a_s coef_t (+ b_s m_t for GSPO, 0 where m_t = 0)."""
+    """grad_t = a_s coef_t (+ b_s m_t for GSPO, 0 where m_t = 0), a_s = a[s a_stride] (times the upstream gradient
+    g_ptr[0] with HAS_G: read on the device, so a backward needs no host value); PADDED as in the forward."""
     pid = tl.program_id(0).to(tl.int64)
     seq = pid // num_chunks
-    start = tl.load(cu_ptr + seq).to(tl.int64)
-    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    if PADDED:
+        start = seq * row_len
+        end = start + row_len
+    else:
+        start = tl.load(cu_ptr + seq).to(tl.int64)
+        end = tl.load(cu_ptr + seq + 1).to(tl.int64)
     chunk_start = start + (pid % num_chunks) * CHUNK
-    a = tl.load(a_ptr + seq)
+    a = tl.load(a_ptr + seq * a_stride)
+    if HAS_G:
+        a = a * tl.load(g_ptr).to(tl.float32)
     if SEQ_LEVEL:
         b = tl.load(b_ptr + seq)
     for i in range(0, CHUNK, BLOCK):

@@ -251,9 +251,17 @@ def check_group_offsets(group_offsets: torch.Tensor, n: int, device: torch.devic
         raise ValueError(f"group_offsets must be strictly increasing: group {g} is [{offsets[g]}, {offsets[g + 1]})")
 
 
+_UNIT_WEIGHTS: dict = {}
+
+
 def check_reward_weights(reward_weights, k: int, one_dim: bool, device) -> torch.Tensor:
+    """The weights as fp32 [k] on device; None -> ones (one tensor per device and k, made once: no fill kernel
+    per call)."""
     if reward_weights is None:
-        return torch.ones(k, dtype=torch.float32, device=device)
+        key = (torch.device(device), k)
+        if key not in _UNIT_WEIGHTS:
+            _UNIT_WEIGHTS[key] = torch.ones(k, dtype=torch.float32, device=device)
+        return _UNIT_WEIGHTS[key]
     if isinstance(reward_weights, torch.Tensor):
         w = reward_weights.to(device=device, dtype=torch.float32)
     elif isinstance(reward_weights, Sequence) and not isinstance(reward_weights, (str, bytes)):

@@ -79,37 +79,39 @@ def group_advantages(
     rewards_2d = rewards if rewards.dim() == 2 else rewards.unsqueeze(1)
     weights = check_reward_weights(reward_weights, rewards_2d.shape[1], rewards.dim() == 1, rewards.device)
     try:
-        out = _dispatch(impl, rewards, rewards_2d, weights, group_size, group_offsets, scale, eps, std, min_std)
+        out, num_bad = _dispatch(impl, rewards, rewards_2d, weights, group_size, group_offsets, scale, eps, std,
+                                 min_std)  # fmt: skip
     except RuntimeError as exc:
         if group_offsets is not None and "group_offsets" in str(exc):
             check_group_offsets(group_offsets, n, rewards.device)  # raises the ValueError that names the group
         raise
     if nan == "error" and not torch.compiler.is_compiling():
-        _raise_on_non_finite(rewards, out.group_mean, group_size, group_offsets)
+        # The call's one host sync: one int from the kernel where it counts the bad groups, else O(num_groups).
+        if bool(num_bad) if num_bad is not None else bool(torch.isnan(out.group_mean).any()):
+            _raise_on_non_finite(rewards, out.group_mean, group_size, group_offsets)
     return out
 
 
 def _dispatch(impl, rewards, rewards_2d, weights, group_size, group_offsets, scale, eps, std, min_std):
-    """Run one backend with nan='invalid' semantics (a non-finite reward makes its group's mean NaN)."""
+    """Run one backend with nan='invalid' semantics (a non-finite reward makes its group's mean NaN) -> (result,
+    the number of groups with a non-finite reward as a device tensor where the kernel counts them, else None)."""
     if impl == "reference":
         wide = rewards_2d.to(torch.promote_types(rewards.dtype, torch.float32))
         out = reference.group_advantages(
             wide, group_size=group_size, group_offsets=group_offsets, scale=scale, eps=eps, std=std,
             min_std=min_std, reward_weights=weights, nan="invalid",
         )  # fmt: skip
-        return GroupAdvantages(*(t if t.dtype == torch.bool else t.float() for t in out))
+        return GroupAdvantages(*(t if t.dtype == torch.bool else t.float() for t in out)), None
     offsets = None if group_offsets is None else group_offsets.contiguous()
-    return GroupAdvantages(*_ops.group_advantages(rewards_2d, weights, offsets, group_size or 0, scale, eps,
-                                                  std == "unbiased", min_std, impl))  # fmt: skip
+    *out, num_bad = _ops.group_advantages(rewards_2d, weights, offsets, group_size or 0, scale, eps,
+                                          std == "unbiased", min_std, impl)  # fmt: skip
+    return GroupAdvantages(*out), num_bad
 
 
 def _raise_on_non_finite(rewards, group_mean, group_size, group_offsets) -> None:
-    """nan='error': the kernels already flag groups holding a non-finite reward (their mean is NaN), so the
-    check costs O(num_groups) instead of a separate pass over the rewards. Raises naming the first bad index."""
-    bad = torch.isnan(group_mean)
-    if not bool(bad.any()):
-        return
-    g = int(bad.nonzero()[0])
+    """nan='error', where a group holds a non-finite reward (the kernels flag it: its mean is NaN; no separate
+    pass over the rewards): raises naming the first bad index."""
+    g = int(torch.isnan(group_mean).nonzero()[0])
     start = g * group_size if group_offsets is None else int(group_offsets[g])
     end = start + group_size if group_offsets is None else int(group_offsets[g + 1])
     rows = rewards[start:end]

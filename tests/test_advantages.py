@@ -401,7 +401,8 @@ def test_triton_on_cpu_without_interpreter_raises_clear_error(tmp_path):
 
 def test_block_shape_covers_typical_group_and_caps_tile():
     assert ops._block_shape(4096, 1024, 4, False) == (ops.TILE // 4, 4)
-    assert ops._block_shape(5000, 10, 0, True) == (max(ops.TILE // 512, 1), 512)
+    assert ops._block_shape(5000, 10, 0, True) == (1, min(1024, ops.MAX_BLOCK_M))  # twice the mean size, capped
+    assert ops._block_shape(600, 50, 0, True) == (ops.TILE // 32, 32)
     assert ops._block_shape(10**6, 2, 0, True) == (1, ops.MAX_BLOCK_M)
 
 

@@ -102,7 +102,8 @@ def _advantages_variants() -> list[KernelVariant]:
         return {
             "r_ptr": f"*{rewards}", "stride_n": "i64", "stride_k": "i64", "w_ptr": "*fp32", "K": "i32",
             "offsets_ptr": f"*{offsets}", "group_size": "i32", "num_groups": "i32",
-            "adv_ptr": "*fp32", "mean_ptr": "*fp32", "std_ptr": "*fp32", "valid_ptr": "*i1",
+            "adv_ptr": "*fp32", "mean_ptr": "*fp32", "std_ptr": "*fp32", "valid_ptr": "*i1", "counts_ptr": "*i32",
+            "frac_ptr": "*fp32", "nbad_ptr": "*i32",
             "eps": "fp32", "correction": "fp32", "min_std": "fp32", "scale_mode": "i32",
             "HAS_OFFSETS": "constexpr", "BLOCK_G": "constexpr", "BLOCK_M": "constexpr",
         }  # fmt: skip
@@ -119,7 +120,7 @@ def _advantages_variants() -> list[KernelVariant]:
             label = f"{rewards},{'offsets ' + offsets if offsets else 'uniform'},G{block_g}xM{block_m}"
             consts = {"HAS_OFFSETS": offsets is not None, "BLOCK_G": block_g, "BLOCK_M": block_m}
             variants.append(KernelVariant(kernel=k, label=label, signature=sig(rewards, offsets or "fp32"),
-                                          constexprs=consts))  # fmt: skip
+                                          constexprs=consts, num_warps=advantages.NUM_WARPS))  # fmt: skip
     return variants
 
 

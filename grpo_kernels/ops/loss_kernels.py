@@ -84,7 +84,7 @@ def _grpo_seq_stats_kernel(
     tl.store(out + 4, tl.sum(acc_vis, axis=0))
 
 
-@triton.jit
+@triton.jit(noinline=True)  # its own register allocation: inlined, ptxas spilled the padded kernels on Triton 3.6
 def _finish_loss(
     partial_ptr, cu_ptr, row_len, num_seqs, num_chunks, loss_ptr, metrics_ptr, scale_ptr, num_items_ptr, div_kind,
     div_value, PADDED: tl.constexpr,

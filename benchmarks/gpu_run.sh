@@ -5,9 +5,10 @@
 #   gpu_check.csv    benchmarks/gpu_check.py: every CUDA path against the reference, then timed against baselines
 #   gpu_check.log    its output
 #   profile.txt      benchmarks/gpu_profile.py: host syncs, kernel launches and top kernels of each op
+#   ops_limits.csv   benchmarks/gpu/ops_limits.py: the ops against the copy / torch.compile targets, determinism
 #   tests.log        the kernel tests whose id names Triton, run on CUDA (conftest picks the device)
 #   tests.xml        their JUnit report
-# usage: benchmarks/gpu_run.sh [OUTDIR]   (BUILD_S, CHECK_S, PROFILE_S, TEST_S: each stage's time limit, seconds;
+# usage: benchmarks/gpu_run.sh [OUTDIR]   (BUILD_S, LIMITS_S, CHECK_S, PROFILE_S, TEST_S: each stage's limit, seconds;
 #                                          TESTS: the test files, default the kernels')
 set -u
 out=${1:-benchmarks/results/gpu_run}
@@ -18,6 +19,8 @@ nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 "$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 MAX_JOBS=16 timeout "${BUILD_S:-90}" "$py" setup.py build_ext --inplace -q > "$out/build.log" 2>&1
 echo "build exit $?" | tee -a "$out/build.log"
+timeout "${LIMITS_S:-150}" "$py" -m benchmarks.gpu.ops_limits --out "$out" > "$out/ops_limits.log" 2>&1
+echo "ops_limits exit $?" | tee -a "$out/ops_limits.log"
 timeout "${CHECK_S:-180}" "$py" benchmarks/gpu_check.py --out "$out/gpu_check.csv" > "$out/gpu_check.log" 2>&1
 echo "gpu_check exit $?" | tee -a "$out/gpu_check.log"
 timeout "${PROFILE_S:-90}" "$py" benchmarks/gpu_profile.py --out "$out/profile.txt" > "$out/profile.log" 2>&1
@@ -32,3 +35,4 @@ grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -20
 tail -3 "$out/tests.log"
 grep -E "host syncs|launches|chunk_tokens|addmm|^##|Error" "$out/profile.log" | head -40
 tail -32 "$out/gpu_check.log"
+grep -vE "^(USDT|  (launches|syncs))" "$out/ops_limits.log" | tail -16

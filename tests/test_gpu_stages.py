@@ -29,3 +29,27 @@ def test_ops_limits_without_cuda_refuses_in_one_line():
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu.ops_limits"], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)  # fmt: skip
     assert proc.returncode != 0 and "no CUDA device" in proc.stderr
+
+
+def torchrun_dry_run(module: str, out: Path) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", module,
+               "--dry-run", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_trainer_learns_dry_run_trains_under_torchrun_and_writes_the_verdict(tmp_path):
+    torchrun_dry_run("benchmarks.gpu.trainer_learns", tmp_path)
+    rows = list(csv.DictReader((tmp_path / "trainer_learns.csv").open()))
+    assert [r["seed"] for r in rows] == ["0", "all"] and rows[0]["backend"] == "gloo"
+    assert -1.0 <= float(rows[0]["gain"]) <= 1.0 and "mean held-out gain" in rows[-1]["verdict"]
+    assert (tmp_path / "learns_seed0" / "metrics.jsonl").read_text().count("\n") == 2  # the two dry-run steps
+
+
+def test_trainer_resume_dry_run_replays_exactly_on_the_cpu(tmp_path):
+    torchrun_dry_run("benchmarks.gpu.trainer_resume", tmp_path)
+    rows = list(csv.DictReader((tmp_path / "trainer_resume.csv").open()))
+    assert [r["quantity"] for r in rows] == ["every metric", "every metric", "weights", "replayed", "verdict"]
+    assert rows[-2]["verdict"] == "yes"
+    assert rows[-1]["verdict"] == "exact"  # on the CPU every kernel is deterministic (the GPU may differ)

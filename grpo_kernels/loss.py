@@ -93,10 +93,15 @@ def grpo_loss(
         max_completion_length: dr_grpo's constant (TRL: the generation budget). Default: L for padded input, the
             longest packed sequence (from cu_seqlens, whatever max_seqlen says) for packed input.
         num_items_in_batch: what dapo/cispo divide the masked sum by (TRL passes the generation batch's token
-            count rescaled to one accumulation window); default: this micro-batch's token count.
+            count rescaled to one accumulation window); default: this micro-batch's token count. A number or a CPU
+            tensor <= 0 is a ValueError; a CUDA tensor's value is never read on the host (that read would be the
+            call's only host sync): there a value <= 0 makes the loss NaN.
         sampler_logps, sampler_is_mode, sampler_is_cap: the truncated importance-sampling correction for the
             trainer/sampler mismatch (modes "token_truncate", "token_mask", "sequence_truncate", "sequence_mask").
-        impl: "auto" (C++ on CPU, Triton on CUDA), "cpp", "triton" or "reference"; never falls back.
+        impl: "auto" (C++ on CPU, Triton on CUDA), "cpp", "triton" or "reference"; never falls back. On Triton,
+            outside torch.compile, the loss types whose terms need no whole-sequence statistic (all but GSPO's
+            sequence level, the sequence-level sampler modes and vespo) take one kernel launch forward and one
+            backward, with no host sync, and read old/ref/sampler log-probs, advantages and mask in their own dtypes.
 
     Returns:
         (loss, metrics): a 0-d float32 loss and 0-d tensors (no host sync) named as TRL logs them:

@@ -8,10 +8,11 @@
 #   profile   benchmarks/gpu_profile.py: host syncs, kernel launches and top kernels of each op: profile.txt
 #   tests     the kernel tests whose id names Triton, run on CUDA (conftest picks the device): tests.log, tests.xml
 #   learns    benchmarks/gpu/trainer_learns.py under torchrun (NCCL): trainer_learns.csv, learns_seed*/
+#   speed     benchmarks/gpu/trainer_speed.py: a Qwen2.5-1.5B shape, each checkpointing mode: trainer_speed.csv
 #   resume    benchmarks/gpu/trainer_resume.py under torchrun (NCCL): trainer_resume.csv, resume_a/, resume_b/
 # usage: [STAGES="build limits check tests"] benchmarks/gpu_run.sh [OUTDIR]
-#   default STAGES: build limits check profile tests (the ops); the trainer's: STAGES="build learns resume".
-#   Each stage's time limit in seconds: BUILD_S, LIMITS_S, CHECK_S, PROFILE_S, TEST_S, LEARNS_S, RESUME_S;
+#   default STAGES: build limits check profile tests (the ops); the trainer's: STAGES="build learns speed resume".
+#   Each stage's time limit in seconds: BUILD_S, LIMITS_S, CHECK_S, PROFILE_S, TEST_S, LEARNS_S, SPEED_S, RESUME_S;
 #   TESTS: the test files of "tests", default the kernels'. nvidia-smi.txt: the card as found.
 set -u
 out=${1:-benchmarks/results/gpu_run}
@@ -47,17 +48,23 @@ tests/test_nonfinite.py tests/test_backend_verdicts.py}
         --junitxml "$out/tests.xml" $tests > "$out/tests.log" 2>&1
     echo "tests exit $?" | tee -a "$out/tests.log"
 fi
-for stage in learns resume; do
-    if want $stage; then
-        limit_var=$(echo "${stage}_S" | tr a-z A-Z)
-        timeout "${!limit_var:-280}" "$py" -m torch.distributed.run --standalone --nproc_per_node=1 \
-            -m benchmarks.gpu.trainer_$stage --out "$out" > "$out/trainer_$stage.log" 2>&1
-        echo "trainer_$stage exit $?" | tee -a "$out/trainer_$stage.log"
-    fi
-done
+if want learns; then
+    timeout "${LEARNS_S:-280}" "$py" -m torch.distributed.run --standalone --nproc_per_node=1 \
+        -m benchmarks.gpu.trainer_learns --out "$out" > "$out/trainer_learns.log" 2>&1
+    echo "trainer_learns exit $?" | tee -a "$out/trainer_learns.log"
+fi
+if want speed; then
+    timeout "${SPEED_S:-280}" "$py" -m benchmarks.gpu.trainer_speed --out "$out" > "$out/trainer_speed.log" 2>&1
+    echo "trainer_speed exit $?" | tee -a "$out/trainer_speed.log"
+fi
+if want resume; then
+    timeout "${RESUME_S:-200}" "$py" -m torch.distributed.run --standalone --nproc_per_node=1 \
+        -m benchmarks.gpu.trainer_resume --out "$out" > "$out/trainer_resume.log" 2>&1
+    echo "trainer_resume exit $?" | tee -a "$out/trainer_resume.log"
+fi
 want tests && { grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -20; tail -3 "$out/tests.log"; }
 want profile && grep -E "host syncs|launches|chunk_tokens|addmm|^##|Error" "$out/profile.log" | head -40
 want limits && grep -vE "^(USDT|  (launches|syncs))" "$out/ops_limits.log" | tail -16
 want check && tail -32 "$out/gpu_check.log"
-for stage in learns resume; do want $stage && tail -6 "$out/trainer_$stage.log"; done
+for stage in learns speed resume; do want $stage && tail -8 "$out/trainer_$stage.log"; done
 tar czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")" && echo "packed $out.tgz"

@@ -53,3 +53,15 @@ def test_trainer_resume_dry_run_replays_exactly_on_the_cpu(tmp_path):
     assert [r["quantity"] for r in rows] == ["every metric", "every metric", "weights", "replayed", "verdict"]
     assert rows[-2]["verdict"] == "yes"
     assert rows[-1]["verdict"] == "exact"  # on the CPU every kernel is deterministic (the GPU may differ)
+
+
+def test_trainer_speed_dry_run_measures_every_mode(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu.trainer_speed", "--dry-run", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = list(csv.DictReader((tmp_path / "trainer_speed.csv").open()))
+    steps = {r["mode"]: r for r in rows if r["quantity"] == "train step"}
+    assert set(steps) == {"none", "selective", "blocks", "offload", "auto"}
+    assert all(float(steps[m]["value"]) > 0 for m in ("none", "selective", "blocks", "auto"))
+    assert "CUDA only" in steps["offload"]["note"] and '"auto": "' in steps["auto"]["note"]
+    assert {r["quantity"] for r in rows} >= {"train MFU", "old + ref log-probs", "peak above static", "generation"}

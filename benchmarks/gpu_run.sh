@@ -9,10 +9,13 @@
 #   tests     the kernel tests whose id names Triton, run on CUDA (conftest picks the device): tests.log, tests.xml
 #   learns    benchmarks/gpu/trainer_learns.py under torchrun (NCCL): trainer_learns.csv, learns_seed*/
 #   speed     benchmarks/gpu/trainer_speed.py: a Qwen2.5-1.5B shape, each checkpointing mode: trainer_speed.csv
+#   trl       benchmarks/gpu/trl_side_by_side.py: TRL, the drop-in and our step on the same batch: trl_side_by_side.csv
+#             (needs TRL: WHEELS=DIR, a folder of the wheels in benchmarks/gpu/wheels.txt, installed first)
 #   resume    benchmarks/gpu/trainer_resume.py under torchrun (NCCL): trainer_resume.csv, resume_a/, resume_b/
 # usage: [STAGES="build limits check tests"] benchmarks/gpu_run.sh [OUTDIR]
-#   default STAGES: build limits check profile tests (the ops); the trainer's: STAGES="build learns speed resume".
-#   Each stage's time limit in seconds: BUILD_S, LIMITS_S, CHECK_S, PROFILE_S, TEST_S, LEARNS_S, SPEED_S, RESUME_S;
+#   default STAGES: build limits check profile tests (the ops); the trainer's: STAGES="build learns speed trl resume".
+#   Each stage's time limit in seconds: BUILD_S, LIMITS_S, CHECK_S, PROFILE_S, TEST_S, LEARNS_S, SPEED_S, TRL_S,
+#   RESUME_S;
 #   TESTS: the test files of "tests", default the kernels'. nvidia-smi.txt: the card as found.
 set -u
 out=${1:-benchmarks/results/gpu_run}
@@ -23,6 +26,10 @@ export PYTHONUNBUFFERED=1
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 "$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 want() { [[ "$stages" == *" $1 "* ]]; }
+if [ -n "${WHEELS:-}" ]; then  # packages the image lacks, into a private target (nothing of the image is replaced)
+    "$py" -m pip install -q --no-index --no-deps --no-compile --target "$out/site" "$WHEELS"/*.whl \
+        && export PYTHONPATH="$out/site${PYTHONPATH:+:$PYTHONPATH}" || echo "wheels from $WHEELS: install failed"
+fi
 if want build; then
     MAX_JOBS=16 timeout "${BUILD_S:-90}" "$py" setup.py build_ext --inplace -q > "$out/build.log" 2>&1
     echo "build exit $?" | tee -a "$out/build.log"
@@ -57,6 +64,10 @@ if want speed; then
     timeout "${SPEED_S:-280}" "$py" -m benchmarks.gpu.trainer_speed --out "$out" > "$out/trainer_speed.log" 2>&1
     echo "trainer_speed exit $?" | tee -a "$out/trainer_speed.log"
 fi
+if want trl; then
+    timeout "${TRL_S:-280}" "$py" -m benchmarks.gpu.trl_side_by_side --out "$out" > "$out/trl_side_by_side.log" 2>&1
+    echo "trl_side_by_side exit $?" | tee -a "$out/trl_side_by_side.log"
+fi
 if want resume; then
     timeout "${RESUME_S:-200}" "$py" -m torch.distributed.run --standalone --nproc_per_node=1 \
         -m benchmarks.gpu.trainer_resume --out "$out" > "$out/trainer_resume.log" 2>&1
@@ -67,4 +78,6 @@ want profile && grep -E "host syncs|launches|chunk_tokens|addmm|^##|Error" "$out
 want limits && grep -vE "^(USDT|  (launches|syncs))" "$out/ops_limits.log" | tail -16
 want check && tail -32 "$out/gpu_check.log"
 for stage in learns speed resume; do want $stage && tail -8 "$out/trainer_$stage.log"; done
+want trl && grep -E "^\{|exit|trl " "$out/trl_side_by_side.log" | tail -16
+rm -rf "$out/site"
 tar czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")" && echo "packed $out.tgz"

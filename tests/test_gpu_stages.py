@@ -65,3 +65,16 @@ def test_trainer_speed_dry_run_measures_every_mode(tmp_path):
     assert all(float(steps[m]["value"]) > 0 for m in ("none", "selective", "blocks", "auto"))
     assert "CUDA only" in steps["offload"]["note"] and '"auto": "' in steps["auto"]["note"]
     assert {r["quantity"] for r in rows} >= {"train MFU", "old + ref log-probs", "peak above static", "generation"}
+
+
+def test_trl_side_by_side_dry_run_agrees_with_trl_and_writes_every_provider(tmp_path):
+    """On the CPU in fp32 the drop-in's and our trainer's loss sums equal TRL's own on the same batch and model."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu.trl_side_by_side", "--dry-run", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = list(csv.DictReader((tmp_path / "trl_side_by_side.csv").open()))
+    assert {(r["provider"], r["step"]) for r in rows} == {(p, s) for p in ("trl", "dropin", "ours")
+                                                         for s in ("loss step", "long chains")}  # fmt: skip
+    for r in rows:
+        assert float(r["note"].split(", ")[-1].split()[0]) < 1e-5, r  # relative difference from TRL's loss
+    assert sum("best" in r["note"] for r in rows) == 6

@@ -167,11 +167,11 @@ def serve_rollout(args: argparse.Namespace) -> None:
         check_port_free(args.host, args.port)
     model_dir, max_model_len = args.model, None
     if args.config:
-        from .train.config import load_config
+        from .train.config import for_device, load_config
         from .train.trainer import _build
         from .train.vllm_sampler import save_hf_model
 
-        config = load_config(args.config)
+        config = for_device(load_config(args.config), "cuda" if torch.cuda.is_available() else "cpu")
         model = _build(config)[-1]
         max_model_len = model.generation_config.max_length  # the run's longest prompt + completion (_build)
         model_dir = str(save_hf_model(model, args.model_dir))

@@ -107,6 +107,8 @@ def test_a_local_hf_model_directory_trains_on_jsonl_data(tmp_path):
 
 def test_beta_trains_against_a_frozen_reference(tmp_path):
     rows = _short_run(tmp_path / "run", "--task.name=add", "--loss.beta=0.5", "--optim.steps=3")
+    # model.dtype "auto" (the default) trains in fp32 on the CPU, and config.toml says so
+    assert 'dtype = "float32"' in (tmp_path / "run" / "config.toml").read_text()
     assert abs(rows[0]["kl"]) < 1e-6  # the policy is the reference before the first update
     assert rows[2]["kl"] > 1e-6  # and moves away from it, which the KL term sees
 

@@ -309,3 +309,14 @@ def test_help_config_lists_every_option_with_its_type_default_and_docstring(caps
     assert capsys.readouterr().out.startswith("[loss]\n  --loss.loss_type=<a string> (default: \"dapo\")\n")
     with pytest.raises(SystemExit, match="unknown section 'nope'; valid sections: model, task"):
         main(["train", "--help-config", "nope"])
+
+
+def test_dtype_auto_is_bf16_on_cuda_and_fp32_elsewhere_and_explicit_choices_stay():
+    config = load_config(None, [])
+    assert config.model.dtype == "auto"
+    assert config_module.for_device(config, "cuda").model.dtype == "bfloat16"
+    assert config_module.for_device(config, "cpu").model.dtype == "float32"
+    for dtype in ("float32", "bfloat16"):
+        explicit = load_config(None, [f"--model.dtype={dtype}"])
+        assert config_module.for_device(explicit, "cuda").model.dtype == dtype
+        assert config_module.for_device(explicit, "cpu") is explicit

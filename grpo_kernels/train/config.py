@@ -10,7 +10,7 @@ top-level; TOML has no null, so the string "none" sets an optional field to None
 
     [model]
     name = "tiny"            # or a local HF model directory
-    dtype = "float32"
+    dtype = "auto"           # bfloat16 on CUDA, float32 on CPU
 
     [task]
     name = "add"
@@ -33,6 +33,7 @@ Override strings are `section.field=value` (or `seed=value`), with or without le
 parsed by the field's type: bools as true/false/1/0/yes/no, "none"/"null" for None, tuples as "0.9,0.95".
 """
 
+import dataclasses
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import ClassVar
 from urllib.parse import urlparse
@@ -46,7 +47,7 @@ MIN_TEMPERATURE = 1e-3
 
 __all__ = [  # (load_config, save_config, to_dict and describe come from config_io: see __getattr__ below)
     "CheckpointConfig", "DistributedConfig", "GroupSizeConfig", "LoggingConfig", "LossConfig", "ModelConfig",
-    "OptimConfig", "PackingConfig", "SamplingConfig", "TaskConfig", "TrainConfig",
+    "OptimConfig", "PackingConfig", "SamplingConfig", "TaskConfig", "TrainConfig", "for_device",
 ]  # fmt: skip
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -70,8 +71,10 @@ class ModelConfig:
     """Key/value heads of the tiny model (grouped-query attention); divides num_heads."""
     head_dim: int = 32
     """Per-head size of the tiny model; >= 32 (vLLM's CPU minimum)."""
-    dtype: str = "float32"
-    """Parameter dtype: "float32" or "bfloat16"."""
+    dtype: str = "auto"
+    """Compute dtype: "bfloat16" (bf16 compute with fp32 master weights and fp32 optimizer state, as torchtitan
+    trains), "float32", or "auto" (the default): "bfloat16" when the run trains on CUDA, "float32" on CPU. A run's
+    config.toml records the dtype it chose."""
     attn_implementation: str = "grpo_varlen"
     """HF attention: "grpo_varlen" (packed, padding-free; registered by the trainer), "sdpa" or "eager"."""
     activation_checkpointing: str = "auto"
@@ -100,7 +103,7 @@ class ModelConfig:
         _validate(
             self, at_least={"hidden_size": 1, "num_layers": 1, "num_heads": 1, "num_kv_heads": 1, "head_dim": 32,
                             "mlp_tile_tokens": 0},
-            choices={"dtype": ("float32", "bfloat16"), "attn_implementation": ("grpo_varlen", "sdpa", "eager"),
+            choices={"dtype": ("auto", "float32", "bfloat16"), "attn_implementation": ("grpo_varlen", "sdpa", "eager"),
                      "activation_checkpointing": ("auto", "none", "blocks", "selective", "offload")},
         )  # fmt: skip
         gb = self.activation_memory_gb
@@ -603,6 +606,15 @@ class TrainConfig:
         mcl, new = self.loss.max_completion_length, self.sampling.max_new_tokens
         if mcl is not None and mcl < new:
             raise ValueError(f"loss.max_completion_length must be >= sampling.max_new_tokens ({new}), got {mcl}")
+
+
+def for_device(config: "TrainConfig", device_type: str) -> "TrainConfig":
+    """config with the choices that depend on the device made concrete: model.dtype "auto" is "bfloat16" when
+    device_type is "cuda", else "float32". (The config itself stays free of torch: the caller names the device.)"""
+    if config.model.dtype != "auto":
+        return config
+    dtype = "bfloat16" if device_type == "cuda" else "float32"
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=dtype))
 
 
 def _sections() -> dict[str, type]:

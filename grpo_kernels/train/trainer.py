@@ -41,7 +41,7 @@ from .checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from .config import TrainConfig, save_config, to_dict
+from .config import TrainConfig, for_device, save_config, to_dict
 from .fsdp import SINGLE, Dist, all_gather_objects, checkpoint_blocks, full_state_dict, init_distributed, shard
 from .group_size import AdaptiveGroupSize
 from .lengths import check_model_len, kv_cache_shortfall, position_limit
@@ -310,6 +310,7 @@ def _decoder_blocks(model):
 def train(config: TrainConfig, *, log=print) -> dict:
     """Run config (on every rank under torchrun); returns the summary also written to <run_dir>/summary.json."""
     d = init_distributed(config.distributed.backend, sequence_parallel=config.distributed.sequence_parallel)
+    config = for_device(config, d.device.type)  # model.dtype "auto": bf16 on CUDA (what config.toml then records)
     if config.model.activation_checkpointing == "offload" and d.device.type != "cuda":
         raise ValueError(f'model.activation_checkpointing = "offload" needs a CUDA device (pinned host memory to '
                          f'offload to), this run trains on {d.device.type}: use "blocks", whose saved block inputs '

@@ -42,7 +42,7 @@ def torchrun_dry_run(module: str, out: Path) -> subprocess.CompletedProcess:
 def test_trainer_learns_dry_run_trains_under_torchrun_and_writes_the_verdict(tmp_path):
     torchrun_dry_run("benchmarks.gpu.trainer_learns", tmp_path)
     rows = list(csv.DictReader((tmp_path / "trainer_learns.csv").open()))
-    assert [r["seed"] for r in rows] == ["0", "all"] and rows[0]["backend"] == "gloo"
+    assert [r["seed"] for r in rows] == ["0", "all"] and (rows[0]["backend"], rows[0]["dtype"]) == ("gloo", "float32")
     assert -1.0 <= float(rows[0]["gain"]) <= 1.0 and "mean held-out gain" in rows[-1]["verdict"]
     assert (tmp_path / "learns_seed0" / "metrics.jsonl").read_text().count("\n") == 2  # the two dry-run steps
 

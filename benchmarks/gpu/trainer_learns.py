@@ -6,7 +6,8 @@
 Each seed is tests/learning_check.py's run (the tiny decoder on single-digit addition: SFT warm start, then DAPO with
 G = 8, 16 prompts per step, two optimizer iterations per rollout, 256 held-out prompts before and after RL), here on
 the GPU: the HF sampler on CUDA, packed attention and the fused LM-head loss inside the trainer, the process group
-over NCCL. The stage passes when the mean held-out gain over the seeds reaches the CPU check's threshold
+over NCCL, and the trainer's default model.dtype ("auto": bf16 compute on CUDA, where the CPU check runs fp32; the
+CSV names it). The stage passes when the mean held-out gain over the seeds reaches the CPU check's threshold
 (learning_check.MIN_MEAN_GAIN). Writes DIR/trainer_learns.csv (a row per seed and one verdict row) and, per seed,
 DIR/learns_seed<N>/ (the run directory as on the CPU: config.toml, metrics.jsonl, summary.json). The dry run takes one
 seed through a few steps on the CPU (gloo) to check the stage end to end; its gain means nothing.
@@ -28,7 +29,7 @@ import learning_check  # noqa: E402
 from grpo_kernels.train.config_io import load_config  # noqa: E402
 from grpo_kernels.train.trainer import train  # noqa: E402
 
-FIELDS = ["seed", "device", "backend", "eval_start", "eval_end", "gain", "seconds", "verdict"]
+FIELDS = ["seed", "device", "backend", "dtype", "eval_start", "eval_end", "gain", "seconds", "verdict"]
 DRY_RUN = ("--task.sft_warmup_steps=4", "--optim.steps=2", "--task.num_eval_prompts=16",
            "--sampling.prompts_per_step=4", "--logging.log_every=1")  # fmt: skip
 
@@ -39,7 +40,8 @@ def run_seed(seed: int, out: Path, dry: bool) -> dict:
     config = load_config(None, overrides)
     start = time.perf_counter()
     summary = train(config, log=lambda *a, **k: None)
-    return dict(seed=seed, eval_start=summary["eval_success_start"], eval_end=summary["eval_success_end"],
+    dtype = load_config(run_dir / "config.toml").model.dtype  # what model.dtype "auto" chose on this device
+    return dict(seed=seed, dtype=dtype, eval_start=summary["eval_success_start"], eval_end=summary["eval_success_end"],
                 gain=summary["eval_success_end"] - summary["eval_success_start"],
                 seconds=round(time.perf_counter() - start, 1))  # fmt: skip
 

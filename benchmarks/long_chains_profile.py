@@ -101,7 +101,7 @@ def _category(name: str) -> str:
     return OTHER
 
 
-LABELS = ("block", "phase:backward")  # profiler ranges set here: their self time is the Python between the ops
+RANGES = ("block", "phase:backward")  # profiler ranges set here: their self time is the Python between the ops
 
 
 def profile_summary(events, step_s: float) -> dict:
@@ -113,7 +113,7 @@ def profile_summary(events, step_s: float) -> dict:
     by_op, by_cat = {}, {}
     for e in events:
         us = e.self_cpu_time_total
-        if e.name in LABELS:
+        if e.name in RANGES:
             by_cat["Python and glue"] = by_cat.get("Python and glue", 0.0) + us
             continue
         by_op[e.name] = by_op.get(e.name, 0.0) + us
@@ -137,7 +137,7 @@ def profile_summary(events, step_s: float) -> dict:
 
 PROVIDERS = ("trl_ckpt", "fused_trl_packed", "gk_blocks", "gk_tiled", "gk_selective", "gk_none")
 DEFAULT = "trl_ckpt,gk_blocks,gk_tiled"
-LABELS = {"trl_ckpt": "TRL (gradient checkpointing)", "fused_trl_packed": "FusedGRPOTrainer, packed",
+PROVIDER_NAMES = {"trl_ckpt": "TRL (gradient checkpointing)", "fused_trl_packed": "FusedGRPOTrainer, packed",
           "gk_blocks": "grpo-kernels, block checkpoints", "gk_tiled": "grpo-kernels, blocks + tiled MLP",
           "gk_selective": "grpo-kernels, selective", "gk_none": "grpo-kernels, no checkpoints"}  # fmt: skip
 
@@ -153,7 +153,7 @@ def table(results: dict) -> str:
              "Command: `python -m benchmarks.long_chains_profile` (the module's docstring says what is measured). "
              "Seconds of the profiled step; share: of the summed self CPU time of its ops. One run each; load: "
              "the 1-minute load average before it.", "",
-             "| | " + " | ".join(LABELS.get(n, n) for n in names) + " |",
+             "| | " + " | ".join(PROVIDER_NAMES.get(n, n) for n in names) + " |",
              "|---|" + "---:|" * len(names)]  # fmt: skip
 
     def row(label, cells):
@@ -179,7 +179,7 @@ def table(results: dict) -> str:
     lines += ["", "Top ops by self time (s):", ""]
     for n in names:
         top = ", ".join(f"{k} {v / 1000:.1f}" for k, v in list(results[n]["top_ops_ms"].items())[:8])
-        lines.append(f"- {LABELS.get(n, n)}: {top}")
+        lines.append(f"- {PROVIDER_NAMES.get(n, n)}: {top}")
     return "\n".join(lines) + "\n"
 
 

@@ -370,6 +370,25 @@ def test_trl_micro_batches_are_slices_of_the_padded_step_and_train_in_one_proces
 # benchmarks/long_chains_profile.py: where a step's time goes, by phase and kind of op.
 
 
+def test_profile_summary_files_its_own_ranges_under_python_not_ops():
+    """The "block" and "phase:backward" ranges' self time is the Python between the ops: never an op of the table
+    (a second binding of the name once hid the ranges, and every profile counted them as ops)."""
+    from types import SimpleNamespace
+
+    from benchmarks.long_chains_profile import profile_summary
+
+    def event(name, start, end, self_us):
+        span = SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
+        return SimpleNamespace(name=name, time_range=span, self_cpu_time_total=self_us)
+
+    events = [event("phase:backward", 0, 3000, 700.0), event("block", 100, 900, 300.0),
+              event("aten::mm", 200, 800, 600.0)]  # fmt: skip
+    summary = profile_summary(events, step_s=0.004)
+    assert set(summary["top_ops_ms"]) == {"aten::mm"}
+    assert summary["categories_ms"]["Python and glue"] == 1.0  # 700 + 300 us
+    assert summary["phases_ms"]["of which recompute"] == 0.8  # the block inside the backward
+
+
 @pytest.mark.parametrize("mode", ["blocks", "none"])
 def test_profile_tells_the_backwards_recompute_from_the_forward(tmp_path, mode):
     import json

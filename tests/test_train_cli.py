@@ -196,3 +196,38 @@ def test_nccl_backend_without_cuda_is_refused_in_a_single_process_too(tmp_path):
     message = "grpo-kernels train: error: distributed.backend = nccl needs CUDA; use gloo (or auto) on CPU"
     assert str(info.value) == message
     assert not (tmp_path / "run").exists()
+
+
+def test_an_error_mid_run_closes_every_log_file_and_tracker(tmp_path, monkeypatch):
+    """The run's resources are closed on every exit path: a step that raises leaves no log file open and the
+    trackers closed (a W&B run finished), with the first step's metrics line on disk."""
+    from grpo_kernels.train import trainer
+
+    opened, closed, steps = [], [], []
+    log_file = trainer._log_file
+    monkeypatch.setattr(trainer, "_log_file", lambda path, kept: opened.append(log_file(path, kept)) or opened[-1])
+
+    class FakeTrackers:
+        def log(self, *a, **k):
+            pass
+
+        def log_eval(self, *a, **k):
+            pass
+
+        def close(self):
+            closed.append("trackers")
+
+    monkeypatch.setattr(trainer.Trackers, "start", staticmethod(lambda *a, **k: FakeTrackers()))
+    step = trainer.grpo_step
+
+    def failing_step(*args, **kwargs):
+        steps.append(1)
+        if len(steps) == 2:
+            raise RuntimeError("the second step fails")
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "grpo_step", failing_step)
+    with pytest.raises(RuntimeError, match="the second step fails"):
+        _short_run(tmp_path / "run", "--task.name=add", "--logging.completions_every=1", "--task.eval_every=1")
+    assert len(opened) == 3 and all(f.closed for f in opened) and closed == ["trackers"]
+    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [0]

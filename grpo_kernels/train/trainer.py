@@ -350,6 +350,15 @@ def train(config: TrainConfig, *, log=print) -> dict:
 
 
 def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model, sampler, rollouts, log) -> dict:
+    """The run after its build; every log file, tracker, progress bar and rollout pipeline it opens is registered
+    with one ExitStack as it opens, so an exception on any path closes them (a W&B run finished, files flushed)."""
+    with contextlib.ExitStack() as resources:
+        return _run(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model, sampler, rollouts, log,
+                    resources)  # fmt: skip
+
+
+def _run(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model, sampler, rollouts, log,
+         resources: contextlib.ExitStack) -> dict:  # fmt: skip
     bf16, s = config.model.dtype == "bfloat16", config.sampling
     decoupled, pipeline = rollouts is not None, None
     ref_policy = None
@@ -454,9 +463,13 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
         if texts_path.exists():
             kept_texts = [line for line in texts_path.read_text().splitlines() if json.loads(line)["step"] < first]
     trackers = Trackers.start(config, run_dir, resume=checkpoint is not None) if d.is_main else None
+    if trackers is not None:
+        resources.callback(trackers.close)
     if trackers is not None and checkpoint is None and len(eval_set):
         trackers.log_eval({"eval_success": start_eval, "eval_success_se": _se(start_eval, len(eval_set))}, -1)
     bar = _progress(o.steps, first, enabled=d.is_main)
+    if bar is not None:
+        resources.callback(bar.close)
     say = bar.write if bar is not None else log
     started = time.perf_counter() - elapsed
 
@@ -472,14 +485,16 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
             item["version"] = min(sampler.versions)
         return item
 
-    out = _log_file(metrics_path, kept) if d.is_main else None
-    evals = _log_file(eval_path, kept_evals) if d.is_main and config.task.eval_every else None
-    texts = _log_file(texts_path, kept_texts) if d.is_main and config.logging.completions_every else None
+    out = resources.enter_context(_log_file(metrics_path, kept)) if d.is_main else None
+    evals = resources.enter_context(_log_file(eval_path, kept_evals)) if d.is_main and config.task.eval_every else None
+    texts = (resources.enter_context(_log_file(texts_path, kept_texts))
+             if d.is_main and config.logging.completions_every else None)  # fmt: skip
     reached = None  # the step after which a held-out evaluation reached task.target_success
     evaluated = (None, None)  # (step, success) of the latest evaluation in the loop
     compute_old = loss_options.get("sampler_is_mode") is not None or s.sampler == "vllm"  # the mismatch metric
     if decoupled:
         pipeline = rollouts.pipeline(produce, first=first, last=o.steps)
+        resources.callback(pipeline.close)
     for step in range(first, o.steps):
         timing = {}
         if decoupled:
@@ -573,18 +588,7 @@ def _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model
             say(f"held-out success {_with_se(success, len(eval_set))} reached task.target_success = "
                 f"{t.target_success} after step {step}: training stops")
             break
-    if out is not None:
-        out.close()
-    if evals is not None:
-        evals.close()
-    if texts is not None:
-        texts.close()
-    if bar is not None:
-        bar.close()
-    if trackers is not None:
-        trackers.close()
-    if pipeline is not None:
-        pipeline.close()
+    resources.close()  # the pipeline, log files, bar and trackers, last opened first (every exit path: _train)
     steps = o.steps if reached is None else reached + 1
     # the loop's evaluation after the last step is the final one (the weights have not changed since)
     final_eval = evaluated[1] if evaluated[0] == steps - 1 else evaluate_policy()

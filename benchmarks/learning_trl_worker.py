@@ -34,7 +34,11 @@ STATE = "learning_vs_trl_state.json"  # our counters, saved into each TRL checkp
 
 def trl_refusal(config) -> str | None:
     """Why TRL cannot run this config the way `grpo-kernels train` does (one line), or None."""
-    c = config
+    import torch
+
+    from grpo_kernels.train.config import for_device
+
+    c = for_device(config, "cuda" if torch.cuda.is_available() else "cpu")  # model.dtype "auto": as train() runs it
     checks = [
         (c.model.name == "tiny", 'model.name = "tiny" (TRL needs an HF model directory: use an HF model)'),
         (c.model.dtype != "float32", f"model.dtype = {c.model.dtype!r} (this comparison runs float32)"),

@@ -493,8 +493,9 @@ def _run(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model, 
     evaluated = (None, None)  # (step, success) of the latest evaluation in the loop
     compute_old = loss_options.get("sampler_is_mode") is not None or s.sampler == "vllm"  # the mismatch metric
     if decoupled:
-        pipeline = rollouts.pipeline(produce, first=first, last=o.steps)
-        resources.callback(pipeline.close)
+        pipeline = rollouts.pipeline(produce, first=first, last=o.steps)  # None on ranks other than 0
+        if pipeline is not None:
+            resources.callback(pipeline.close)
     for step in range(first, o.steps):
         timing = {}
         if decoupled:

@@ -132,7 +132,7 @@ def measure(model: str, *, group_sizes, prompts_per_step: int, repeats: int, poo
     todo = [g for g in group_sizes if str(g) not in saved["done"]]
     if not todo:
         return _from_saved(saved, group_sizes)
-    from grpo_kernels.train.config import load_config
+    from grpo_kernels.train.config_io import load_config
     from grpo_kernels.train.fsdp import SINGLE
     from grpo_kernels.train.step import Policy, grpo_step, sft_warmup
     from grpo_kernels.train.trainer import _build, _sample, _sampler, _seed

@@ -69,7 +69,7 @@ def compare(rows: list[dict], *, k: int) -> list[dict]:
 def sample_pass_rates(model: str, *, prompts: int, samples: int, sampler: str, task: str, difficulty: int,
                       temperature: float, max_new_tokens: int, seed: int) -> list[dict]:  # fmt: skip
     """Per prompt: the prompt, its answer, set A's successes and set B's outcomes (samples each)."""
-    from grpo_kernels.train.config import load_config
+    from grpo_kernels.train.config_io import load_config
     from grpo_kernels.train.fsdp import SINGLE
     from grpo_kernels.train.trainer import _build, _sampler, _seed
 

@@ -149,7 +149,7 @@ def run_one(label: str, overrides: dict, run_dir: Path, *, sft_cache: dict) -> d
     import json
 
     from grpo_kernels.train import trainer
-    from grpo_kernels.train.config import load_config
+    from grpo_kernels.train.config_io import load_config
 
     config = load_config(REPO / "examples" / "train_tiny_cpu.toml",
                          {**overrides, "logging.run_dir": str(run_dir), "logging.log_every": 10**6})  # fmt: skip

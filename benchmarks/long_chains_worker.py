@@ -66,18 +66,18 @@ def settled_load(limit: float = 1.0, wait_s: float = 180.0) -> float:
 
 
 def _label_blocks(blocks, spec: dict) -> None:
-    """Profiling (spec "profile"): long_chains_profile.label_blocks."""
+    """Profiling (spec "profile"): long_chains_profiling.label_blocks."""
     if spec.get("profile"):
-        from benchmarks.long_chains_profile import label_blocks
+        from benchmarks.long_chains_profiling import label_blocks
 
         label_blocks(blocks)
 
 
 def _timed(step, spec: dict):
     """(step's result, seconds): step() timed; with spec "profile" (a path) under torch's profiler, its summary
-    written there (long_chains_profile.profiled)."""
+    written there (long_chains_profiling.profiled)."""
     if spec.get("profile"):
-        from benchmarks.long_chains_profile import profiled
+        from benchmarks.long_chains_profiling import profiled
 
         return profiled(step, spec["profile"])
     start = time.perf_counter()

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"unrecognized arguments: {' '.join(overrides)}")
         demo(args)
     elif args.command == "train":
-        from .train.config import load_config
+        from .train.config_io import load_config
 
         if args.help_config is not None:
             from .train.config_io import describe
@@ -167,7 +167,8 @@ def serve_rollout(args: argparse.Namespace) -> None:
         check_port_free(args.host, args.port)
     model_dir, max_model_len = args.model, None
     if args.config:
-        from .train.config import for_device, load_config
+        from .train.config import for_device
+        from .train.config_io import load_config
         from .train.trainer import _build
         from .train.vllm_sampler import save_hf_model
 

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from grpo_kernels.packing import pack_sequences
-from grpo_kernels.train.config import load_config
+from grpo_kernels.train.config_io import load_config
 from grpo_kernels.train.fsdp import checkpoint_blocks
 from grpo_kernels.train.step import Policy, _run
 from grpo_kernels.train.tasks import tiny_model

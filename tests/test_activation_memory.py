@@ -10,7 +10,7 @@ import transformers
 
 from grpo_kernels.cli import main
 from grpo_kernels.train.activation_memory import activation_bytes, choose_checkpointing
-from grpo_kernels.train.config import load_config
+from grpo_kernels.train.config_io import load_config
 
 SMOLLM2 = transformers.LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                                    num_attention_heads=9, num_key_value_heads=3, head_dim=64)  # fmt: skip

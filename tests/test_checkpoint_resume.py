@@ -15,7 +15,7 @@ from grpo_kernels.cli import main
 from grpo_kernels.train import checkpoint as ckpt
 from grpo_kernels.train import trainer
 from grpo_kernels.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, verify_checkpoint
-from grpo_kernels.train.config import load_config
+from grpo_kernels.train.config_io import load_config
 from grpo_kernels.train.fsdp import SINGLE
 from grpo_kernels.train.step import Policy
 from grpo_kernels.train.tasks import CharTokenizer, tiny_model

@@ -1,12 +1,14 @@
-"""Config values a new user tried that were accepted silently: each refused at load with a line naming the option,
-or warned about (log and checkpoint intervals past the run's steps)."""
+"""Config values a new user tried that were accepted silently: each refused with a line naming the option (at load,
+or for what depends on the host, by preflight.check before the run starts), or warned about (log and checkpoint
+intervals past the run's steps)."""
 
 import warnings
 
 import pytest
 import torch
 
-from grpo_kernels.train.config import load_config
+from grpo_kernels.train import preflight
+from grpo_kernels.train.config_io import load_config
 
 DECOUPLED = ["--sampling.placement=decoupled", "--sampling.sampler=vllm"]
 
@@ -32,12 +34,13 @@ def test_nonsense_values_are_refused_at_load_naming_the_option(overrides, messag
     (["--sampling.server_devices=0-1"], "leaves the trainer no CPU core of"),
     (["--sampling.server_tensor_parallel_size=4"], "vLLM CPU servers run on one device each"),
 ])  # fmt: skip
-def test_server_devices_on_a_cpu_host_are_its_cores_checked_at_load(overrides, message, monkeypatch):
+def test_server_devices_on_a_cpu_host_are_its_cores_checked_before_the_run(overrides, message, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})  # the same answer on any machine
     with pytest.raises(ValueError, match=message):
-        load_config(overrides=DECOUPLED + overrides)
-    assert load_config(overrides=DECOUPLED + ["--sampling.server_devices=1"]).sampling.server_devices == "1"
+        preflight.check(load_config(overrides=DECOUPLED + overrides), "cpu")
+    ok = preflight.check(load_config(overrides=DECOUPLED + ["--sampling.server_devices=1"]), "cpu")
+    assert ok.sampling.server_devices == "1"
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -46,12 +49,13 @@ def test_server_devices_on_a_cpu_host_are_its_cores_checked_at_load(overrides, m
     (["--sampling.server_tensor_parallel_size=2", "--sampling.server_devices=0"], "server 0 lists 1 device"),
     (["--sampling.server_devices=7"], "device 7 does not exist, this node has 4 GPU"),
 ])  # fmt: skip
-def test_server_devices_on_a_gpu_node_are_gpus_checked_at_load(overrides, message, monkeypatch):
+def test_server_devices_on_a_gpu_node_are_gpus_checked_before_the_run(overrides, message, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a 4-GPU node, as far as the check can tell
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     with pytest.raises(ValueError, match=message):
-        load_config(overrides=DECOUPLED + overrides)
-    assert load_config(overrides=DECOUPLED + ["--sampling.servers=2", "--sampling.server_devices=1;3"])
+        preflight.check(load_config(overrides=DECOUPLED + overrides), "cuda")
+    assert preflight.check(load_config(overrides=DECOUPLED + ["--sampling.servers=2", "--sampling.server_devices=1;3"]),
+                           "cuda")  # fmt: skip
 
 
 def test_sane_values_next_to_the_refused_ones_load():

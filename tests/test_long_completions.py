@@ -20,7 +20,7 @@ from grpo_kernels import reference
 from grpo_kernels.cli import main
 from grpo_kernels.packing import pack_sequences
 from grpo_kernels.train import lengths
-from grpo_kernels.train.config import load_config
+from grpo_kernels.train.config_io import load_config
 from grpo_kernels.train.fsdp import SINGLE
 from grpo_kernels.train.rollout import Rollout
 from grpo_kernels.train.sampler import HFSampler

@@ -18,7 +18,7 @@ import torch
 from grpo_kernels import cli
 from grpo_kernels.packing import pack_sequences
 from grpo_kernels.train import models
-from grpo_kernels.train.config import load_config
+from grpo_kernels.train.config_io import load_config
 from grpo_kernels.train.hf_model import load_policy
 from grpo_kernels.train.step import completion_logprobs
 from grpo_kernels.train.trainer import _build

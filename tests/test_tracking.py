@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_kernels.train.config import load_config
+from grpo_kernels.train.config_io import load_config
 from grpo_kernels.train.tracking import TRL_NAMES, check_installed, trl_names
 
 STEPS = ["--optim.steps=3", "--task.eval_every=2", "--task.num_eval_prompts=16", "--sampling.group_size=4",
@@ -196,14 +196,19 @@ def test_a_missing_tracker_package_names_its_extra(monkeypatch):
     check_installed(("tensorboard",))
 
 
-def test_report_to_all_is_every_installed_tracker_resolved_at_load(monkeypatch):
-    from grpo_kernels.train import tracking
+def test_report_to_all_is_every_installed_tracker_resolved_before_the_run(monkeypatch):
+    """ "all" is checked at load (it stands alone) and resolved by preflight.check, which asks what is installed."""
+    from grpo_kernels.train import preflight, tracking
 
-    assert load_config(overrides=["--logging.report_to=all"]).logging.report_to == ("tensorboard", "wandb", "trackio")
+    def resolved():
+        return preflight.check(load_config(overrides=["--logging.report_to=all"]), "cpu").logging.report_to
+
+    assert load_config(overrides=["--logging.report_to=all"]).logging.report_to == ("all",)
+    assert resolved() == ("tensorboard", "wandb", "trackio")
     with pytest.raises(ValueError, match='"all" stands alone'):
         load_config(overrides=["--logging.report_to=all,wandb"])
     monkeypatch.setattr(tracking, "_installed", lambda name: name == "wandb")
-    assert load_config(overrides=["--logging.report_to=all"]).logging.report_to == ("wandb",)
+    assert resolved() == ("wandb",)
     monkeypatch.setattr(tracking, "_installed", lambda name: False)
     with pytest.warns(UserWarning, match="none of tensorboard, wandb, trackio is installed"):
-        assert load_config(overrides=["--logging.report_to=all"]).logging.report_to == ()
+        assert resolved() == ()

@@ -62,7 +62,7 @@ def test_the_h100_example_loads_and_its_launch_script_runs_that_config():
     import importlib.util
     from pathlib import Path
 
-    from grpo_kernels.train.config import load_config
+    from grpo_kernels.train.config_io import load_config
 
     examples = Path(__file__).resolve().parents[1] / "examples"
     config = load_config(examples / "train_qwen_gsm8k_h100.toml")
@@ -80,7 +80,7 @@ def test_the_h100_example_loads_and_its_launch_script_runs_that_config():
 def test_the_demo_config_loads():
     from pathlib import Path
 
-    from grpo_kernels.train.config import load_config
+    from grpo_kernels.train.config_io import load_config
 
     config = load_config(Path(__file__).resolve().parents[1] / "examples" / "train_tiny_cpu.toml")
     assert config.task.name == "add" and config.optim.steps == 800

@@ -12,15 +12,8 @@ import torch
 import grpo_kernels
 from grpo_kernels.loss import LOSS_TYPES, SAMPLER_IS_MODES
 from grpo_kernels.train import config as config_module
-from grpo_kernels.train.config import (
-    LossConfig,
-    ModelConfig,
-    SamplingConfig,
-    TrainConfig,
-    load_config,
-    save_config,
-    to_dict,
-)
+from grpo_kernels.train.config import LossConfig, ModelConfig, SamplingConfig, TrainConfig
+from grpo_kernels.train.config_io import load_config, save_config, to_dict
 
 TOML = """
 seed = 7

@@ -11,7 +11,7 @@ import torch
 
 from grpo_kernels.train import trainer
 from grpo_kernels.train.checkpoint import latest_checkpoint, load_checkpoint
-from grpo_kernels.train.config import load_config
+from grpo_kernels.train.config_io import load_config
 from grpo_kernels.train.step import Policy
 from grpo_kernels.train.tasks import CharTokenizer, tiny_model
 

@@ -55,7 +55,7 @@ def test_dynamic_sampling_drops_exactly_the_groups_the_advantage_kernel_marks_in
     import torch
 
     from grpo_kernels.advantages import group_advantages
-    from grpo_kernels.train.config import load_config
+    from grpo_kernels.train.config_io import load_config
     from grpo_kernels.train.fsdp import SINGLE
     from grpo_kernels.train.rollout import Rollout
     from grpo_kernels.train.tasks import Example

@@ -6,7 +6,7 @@ import torch
 
 from grpo_kernels import group_advantages
 from grpo_kernels.train import trainer
-from grpo_kernels.train.config import load_config
+from grpo_kernels.train.config_io import load_config
 from grpo_kernels.train.fsdp import SINGLE, Dist
 from grpo_kernels.train.rollout import Rollout
 from grpo_kernels.train.tasks import Example

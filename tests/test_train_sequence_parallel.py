@@ -106,7 +106,7 @@ def test_sequence_parallel_layout_errors_are_one_line_and_write_nothing(tmp_path
 
 
 def test_the_long_chain_examples_load_with_checkpointing_and_their_layouts():
-    from grpo_kernels.train.config import load_config
+    from grpo_kernels.train.config_io import load_config
 
     cpu = load_config("examples/long_chains_cpu.toml")
     assert cpu.model.activation_checkpointing == "blocks" and cpu.sampling.mask_truncated_completions

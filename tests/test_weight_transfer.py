@@ -215,7 +215,7 @@ def test_pipeline_update_waits_for_the_batch_being_sampled():
     (["--sampling.placement=elsewhere"], "sampling.placement must be one of"),
 ])  # fmt: skip
 def test_decoupled_options_are_checked_when_the_config_loads(overrides, message):
-    from grpo_kernels.train.config import load_config
+    from grpo_kernels.train.config_io import load_config
 
     with pytest.raises(ValueError, match=message):
         load_config(None, overrides)
@@ -239,24 +239,27 @@ DEC = ["--sampling.sampler=vllm", "--sampling.placement=decoupled"]
       "--group_size.max_resample_rounds=1000000000"],
      r"with dynamic sampling a step may sample .* = 1000000001 \* 1 \* 2 \* \d+ tokens, more than"),
 ])  # fmt: skip
-def test_decoupled_start_up_that_cannot_work_is_refused_at_load(overrides, message, monkeypatch):
+def test_decoupled_start_up_that_cannot_work_is_refused_before_the_run(overrides, message, monkeypatch):
     """Each was accepted and failed later: 1000 servers ate the machine, 1e9 resample rounds hung, a bad URL or
-    transfer address died with a traceback (87 s later for the address) and left rollout-model/ behind."""
-    from grpo_kernels.train.config import load_config
+    transfer address died with a traceback (87 s later for the address) and left rollout-model/ behind. The config's
+    own rules refuse at load; what depends on this host (the address, the servers' memory) preflight.check."""
+    from grpo_kernels.train import preflight
+    from grpo_kernels.train.config_io import load_config
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     with pytest.raises(ValueError, match=message):
-        load_config(None, (DEC if "group_size" not in overrides[-1] else []) + overrides)
+        preflight.check(load_config(None, (DEC if "group_size" not in overrides[-1] else []) + overrides), "cpu")
     ok = load_config(None, [*DEC, "--sampling.server_urls=http://127.0.0.1:8000, https://h.example:1"])
     assert ok.sampling.urls() == ["http://127.0.0.1:8000", "https://h.example:1"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="nccl is a valid choice with CUDA")
-def test_nccl_weight_transfer_without_cuda_is_refused_at_load():
-    from grpo_kernels.train.config import load_config
+def test_nccl_weight_transfer_without_cuda_is_refused_before_the_run():
+    from grpo_kernels.train import preflight
+    from grpo_kernels.train.config_io import load_config
 
     with pytest.raises(ValueError, match=r'sampling.weight_transfer = "nccl" needs CUDA'):
-        load_config(None, [*DEC, "--sampling.weight_transfer=nccl"])
+        preflight.check(load_config(None, [*DEC, "--sampling.weight_transfer=nccl"]), "cpu")
 
 
 def test_servers_start_in_bounded_waves():
@@ -300,7 +303,7 @@ def test_serve_rollout_on_a_port_in_use_is_one_line_and_writes_nothing(tmp_path,
 
 
 def test_server_cores_are_split_from_the_trainers(monkeypatch):
-    from grpo_kernels.train.config import load_config
+    from grpo_kernels.train.config_io import load_config
     from grpo_kernels.train.decoupled import _split_cores
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})  # the config checks the cores too
@@ -321,7 +324,7 @@ def test_server_cores_are_split_from_the_trainers(monkeypatch):
 
 def test_the_example_decoupled_config_loads_and_the_overlap_model_adds_up():
     from benchmarks.decoupled_overlap import predict, summarize
-    from grpo_kernels.train.config import load_config
+    from grpo_kernels.train.config_io import load_config
 
     s = load_config(os.path.join(os.path.dirname(__file__), "..", "examples", "train_tiny_decoupled_cpu.toml")).sampling
     assert (s.placement, s.sampler, s.max_staleness, s.servers) == ("decoupled", "vllm", 1, 2)

@@ -1,4 +1,6 @@
-"""The trainer's configuration: one dataclass per section, validated when built, loaded from TOML plus overrides.
+"""The trainer's configuration: one dataclass per section, validated when built (field types, ranges, the rules
+between fields; nothing about this host, which grpo_kernels.train.preflight checks), loaded from TOML plus overrides
+by grpo_kernels.train.config_io:
 
     config = load_config("run.toml", ["--sampling.group_size=16", "loss.beta=0.04"])
     save_config(config, "runs/demo/config.toml")   # load_config of that file gives back an equal config
@@ -45,9 +47,10 @@ from .config_fields import _check, _field_types, _typed, _validate
 TASK_NAMES = ("reverse", "add", "arith", "jsonl")
 MIN_TEMPERATURE = 1e-3
 
-__all__ = [  # (load_config, save_config, to_dict and describe come from config_io: see __getattr__ below)
-    "CheckpointConfig", "DistributedConfig", "GroupSizeConfig", "LoggingConfig", "LossConfig", "ModelConfig",
-    "OptimConfig", "PackingConfig", "SamplingConfig", "TaskConfig", "TrainConfig", "for_device",
+__all__ = [  # (load_config, save_config, to_dict and describe: grpo_kernels.train.config_io)
+    "REPORT_TO", "CheckpointConfig", "DistributedConfig", "GroupSizeConfig", "LoggingConfig", "LossConfig",
+    "ModelConfig", "OptimConfig", "PackingConfig", "SamplingConfig", "TaskConfig", "TrainConfig", "for_device",
+    "report_to_names",
 ]  # fmt: skip
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -293,10 +296,10 @@ class SamplingConfig:
             raise ValueError(f"sampling.server_devices must list the devices of each of the {self.servers} servers "
                              f'(";" between servers), got {self.server_devices!r}')  # fmt: skip
         if decoupled:
-            from .preflight import check_transfer
-
             self.urls()  # checks them
-            check_transfer(self)
+            if self.weight_transfer_address and not self.weight_transfer_address.strip():
+                raise ValueError("sampling.weight_transfer_address is blank: a host name or IP address, or leave it "
+                                 "unset")  # fmt: skip
 
     def urls(self) -> list[str]:
         """sampling.server_urls as a list (empty: the trainer starts its servers); ValueError naming the option for
@@ -444,6 +447,27 @@ class DistributedConfig:
         _validate(self, at_least={"sequence_parallel": 1}, choices={"backend": ("auto", "gloo", "nccl")})
 
 
+REPORT_TO = ("tensorboard", "wandb", "trackio")  # each is also its package's and its extra's name
+
+
+def report_to_names(report_to: tuple, tensorboard: bool) -> tuple:
+    """logging.report_to without "none", with "tensorboard" added when the logging.tensorboard alias is on; "all"
+    (alone, as in transformers) is kept as ("all",) for preflight.check to resolve to the installed trackers; an
+    unknown tracker, one named twice or one beside "none" or "all" is a ValueError."""
+    if "all" in report_to:
+        if len(report_to) > 1:
+            raise ValueError(f'logging.report_to: "all" stands alone (every installed tracker), got {list(report_to)}')
+        return ("all",)
+    names = tuple(n for n in report_to if n != "none")
+    for n in names:
+        if n not in REPORT_TO:
+            raise ValueError(f"logging.report_to: {n!r} is not a tracker here; one of "
+                             f"{', '.join(map(repr, REPORT_TO))} (or \"none\")")  # fmt: skip
+    if len(set(names)) < len(names) or ("none" in report_to and names):
+        raise ValueError(f"logging.report_to names a tracker twice or with \"none\": {list(report_to)}")
+    return names + ("tensorboard",) if tensorboard and "tensorboard" not in names else names
+
+
 @dataclass(kw_only=True, slots=True)
 class LoggingConfig:
     section: ClassVar[str] = "logging"
@@ -471,9 +495,7 @@ class LoggingConfig:
     def __post_init__(self):
         _validate(self, at_least={"log_every": 1, "completions_every": 0})
         _check(self, "run_dir", self.run_dir != "", "a non-empty path")
-        from .tracking import checked_report_to
-
-        self.report_to = checked_report_to(self.report_to, self.tensorboard)
+        self.report_to = report_to_names(self.report_to, self.tensorboard)
         _check(self, "project", self.project.strip() != "", "a non-empty name")
 
 
@@ -563,10 +585,6 @@ class TrainConfig:
 
             warnings.warn(f"group_size.max_resample_rounds = {gs.max_resample_rounds} has no effect: "
                           "group_size.dynamic_sampling is off", stacklevel=2)  # fmt: skip
-        if s.placement == "decoupled" and not s.server_urls:
-            from .preflight import check_server_resources
-
-            check_server_resources(self)
         sp = self.distributed.sequence_parallel
         if sp > 1 and self.model.attn_implementation != "grpo_varlen":
             raise ValueError(f'distributed.sequence_parallel = {sp} needs model.attn_implementation "grpo_varlen" '
@@ -620,13 +638,3 @@ def for_device(config: "TrainConfig", device_type: str) -> "TrainConfig":
 def _sections() -> dict[str, type]:
     """{section name: dataclass} in TrainConfig's order."""
     return {name: tp for name, tp in _field_types(TrainConfig).items() if name != "seed"}
-
-
-def __getattr__(name: str):
-    """load_config, save_config and to_dict live in config_io (which imports the classes above); importable from here
-    too, as they always were."""
-    if name in ("load_config", "save_config", "to_dict", "describe"):
-        from . import config_io
-
-        return getattr(config_io, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

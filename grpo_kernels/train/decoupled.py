@@ -31,6 +31,7 @@ import torch
 
 from ..packing import pack_sequences
 from .fsdp import all_gather_objects
+from .preflight import parse_cores
 from .rollout_server import RolloutServer, RolloutServerError, ServerClient, ServerSampler, free_port
 from .step import completion_logprobs
 from .vllm_sampler import _checkpoint_weight_names, save_hf_model
@@ -273,7 +274,7 @@ def _split_cores(s, log) -> list:
     process's cores, shared by the servers); this process (every local trainer rank) keeps the others."""
     cores = sorted(os.sched_getaffinity(0))
     if s.server_devices:
-        lists = [_parse_cores(x, cores) for x in s.server_devices.split(";")]
+        lists = [parse_cores(x, cores) for x in s.server_devices.split(";")]
     elif len(cores) < 2:
         log("warning: one CPU core: the rollout servers share it with the trainer")
         return [cores] * s.servers
@@ -286,20 +287,6 @@ def _split_cores(s, log) -> list:
     os.sched_setaffinity(0, mine)
     torch.set_num_threads(max(1, min(torch.get_num_threads(), len(mine))))
     return lists
-
-
-def _parse_cores(text: str, cores: list) -> list:
-    out = []
-    for part in text.split(","):
-        lo, _, hi = part.strip().partition("-")
-        try:
-            out += list(range(int(lo), int(hi or lo) + 1))
-        except ValueError:
-            raise ValueError(f"sampling.server_devices: {text!r} is not a list of CPU cores like 0-3,8") from None
-    if not set(out) <= set(cores):
-        raise ValueError(f"sampling.server_devices: cores {sorted(set(out) - set(cores))} are not this process's "
-                         f"({cores})")  # fmt: skip
-    return out
 
 
 def _server_devices(s, d) -> list:

@@ -1,6 +1,10 @@
-"""Start-up checks of a decoupled run that depend on this host (CUDA, memory, name resolution), called by the
-config at load: a config that cannot start is refused before anything is launched or written."""
+"""The checks of a run's config that depend on this host, in one place: `check(config, device_type)` before a run
+starts (train() calls it first). The config itself (train/config*.py) checks only its own fields' types, ranges and
+the rules between them, and imports nothing else of the trainer; what the host has (CUDA, memory, cores, name
+resolution, installed tracker packages) is asked here, so a config that cannot start is refused before anything is
+launched or written, and loading a config pulls in nothing of the server stack."""
 
+import dataclasses
 import os
 import socket
 from pathlib import Path
@@ -10,6 +14,32 @@ from pathlib import Path
 # `grpo-kernels serve-rollout`): its 4 processes held 2.37 GiB PSS (2.82 GiB RSS), so 1.4 GiB beside the KV cache;
 # rounded up for the activations of a request.
 CPU_SERVER_BASE_GIB = 1.5
+
+
+def check(config, device_type: str):
+    """config as this host will run it, or a ValueError naming the option that cannot work here (one line).
+
+    device_type: where the run trains ("cuda" or "cpu"). Resolved: model.dtype "auto" (bf16 on CUDA) and
+    logging.report_to "all" (the installed trackers), so the run's config.toml names what it used. Refused: a
+    tracker whose package is missing, "offload" checkpointing off CUDA, and for a decoupled run a weight stream
+    that cannot work here (nccl without CUDA, an address that does not resolve) and servers this host cannot hold."""
+    from .config import for_device
+    from .tracking import check_installed, installed_trackers
+
+    config = for_device(config, device_type)
+    if config.logging.report_to == ("all",):
+        logging = dataclasses.replace(config.logging, report_to=installed_trackers(), tensorboard=False)
+        config = dataclasses.replace(config, logging=logging)
+    check_installed(config.logging.report_to)
+    if config.model.activation_checkpointing == "offload" and device_type != "cuda":
+        raise ValueError(f'model.activation_checkpointing = "offload" needs a CUDA device (pinned host memory to '
+                         f'offload to), this run trains on {device_type}: use "blocks", whose saved block inputs '
+                         "already live in host memory there")  # fmt: skip
+    if config.sampling.placement == "decoupled":
+        check_transfer(config.sampling)
+        if not config.sampling.server_urls:
+            check_server_resources(config)
+    return config
 
 
 def check_server_resources(config) -> None:
@@ -31,10 +61,8 @@ def check_server_resources(config) -> None:
                              "set sampling.server_devices or sampling.server_urls")  # fmt: skip
         return
     if s.server_devices:  # CPU servers: core lists, checked as the servers will take them
-        from .decoupled import _parse_cores
-
         cores = sorted(os.sched_getaffinity(0))
-        used = {c for entry in s.server_devices.split(";") for c in _parse_cores(entry, cores)}
+        used = {c for entry in s.server_devices.split(";") for c in parse_cores(entry, cores)}
         if used >= set(cores):
             raise ValueError(f"sampling.server_devices {s.server_devices!r} leaves the trainer no CPU core of "
                              f"{cores}")  # fmt: skip
@@ -113,9 +141,7 @@ def check_transfer(s) -> None:
     if s.weight_transfer == "nccl" and not torch.cuda.is_available():
         raise ValueError('sampling.weight_transfer = "nccl" needs CUDA (GPUs on the trainer and the servers); use '
                          '"gloo" or "auto" on CPU')  # fmt: skip
-    address = s.weight_transfer_address.strip()
-    if s.weight_transfer_address and not address:
-        raise ValueError("sampling.weight_transfer_address is blank: a host name or IP address, or leave it unset")
+    address = s.weight_transfer_address.strip()  # (a blank one is refused by the config)
     if address:
         try:
             socket.getaddrinfo(address, None)
@@ -134,3 +160,18 @@ def check_port_free(host: str, port: int, option: str = "--port") -> None:
             sock.bind((host, port))
         except OSError as exc:
             raise ValueError(f"{option} {port}: cannot listen on {host}:{port} ({exc.strerror or exc})") from None
+
+
+def parse_cores(text: str, cores: list) -> list:
+    """One server's CPU cores from sampling.server_devices ("0-3,8"), each of them among this process's `cores`."""
+    out = []
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        try:
+            out += list(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            raise ValueError(f"sampling.server_devices: {text!r} is not a list of CPU cores like 0-3,8") from None
+    if not set(out) <= set(cores):
+        raise ValueError(f"sampling.server_devices: cores {sorted(set(out) - set(cores))} are not this process's "
+                         f"({cores})")  # fmt: skip
+    return out

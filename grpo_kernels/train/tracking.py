@@ -27,9 +27,10 @@ import json
 import math
 from pathlib import Path
 
-__all__ = ["REPORT_TO", "TRL_NAMES", "Trackers", "check_installed", "checked_report_to", "trl_names"]
+from .config import REPORT_TO
 
-REPORT_TO = ("tensorboard", "wandb", "trackio")  # each is also its package's and its extra's name
+__all__ = ["REPORT_TO", "TRL_NAMES", "Trackers", "check_installed", "installed_trackers", "trl_names"]
+
 TRL_NAMES = {  # this package's metric name -> TRL GRPOTrainer's, where the quantity is the same
     "reward": "reward",
     "reward_std": "reward_std",
@@ -52,29 +53,16 @@ TRL_NAMES = {  # this package's metric name -> TRL GRPOTrainer's, where the quan
 _NOT_LOGGED = ("step",)  # the x axis, logged as train/global_step
 
 
-def checked_report_to(report_to: tuple, tensorboard: bool) -> tuple:
-    """logging.report_to without "none", with "tensorboard" added when the logging.tensorboard alias is on; "all"
-    (alone, as in transformers) is every tracker whose package is installed, resolved here, so that the run's saved
-    config (and a resumed run) names them; an unknown tracker, one named twice or one beside "none" or "all" is a
-    ValueError."""
-    if "all" in report_to:
-        if len(report_to) > 1:
-            raise ValueError(f'logging.report_to: "all" stands alone (every installed tracker), got {list(report_to)}')
-        report_to = tuple(n for n in REPORT_TO if _installed(n))
-        if not report_to:
-            import warnings
+def installed_trackers() -> tuple:
+    """logging.report_to = "all": every tracker whose package is installed (a warning when none is)."""
+    names = tuple(n for n in REPORT_TO if _installed(n))
+    if not names:
+        import warnings
 
-            warnings.warn('logging.report_to = "all": none of tensorboard, wandb, trackio is installed, nothing will '
-                          "be tracked (pip install 'grpo-kernels[tensorboard]', or [wandb], [trackio])",
-                          stacklevel=2)  # fmt: skip
-    names = tuple(n for n in report_to if n != "none")
-    for n in names:
-        if n not in REPORT_TO:
-            raise ValueError(f"logging.report_to: {n!r} is not a tracker here; one of "
-                             f"{', '.join(map(repr, REPORT_TO))} (or \"none\")")  # fmt: skip
-    if len(set(names)) < len(names) or ("none" in report_to and names):
-        raise ValueError(f"logging.report_to names a tracker twice or with \"none\": {list(report_to)}")
-    return names + ("tensorboard",) if tensorboard and "tensorboard" not in names else names
+        warnings.warn('logging.report_to = "all": none of tensorboard, wandb, trackio is installed, nothing will '
+                      "be tracked (pip install 'grpo-kernels[tensorboard]', or [wandb], [trackio])",
+                      stacklevel=3)  # fmt: skip
+    return names
 
 
 def _installed(name: str) -> bool:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from . import preflight
 from .activation_memory import AUTO_ORDER, activation_budget, choose_checkpointing
 from .checkpoint import (
     CheckpointError,
@@ -41,7 +42,8 @@ from .checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from .config import TrainConfig, for_device, save_config, to_dict
+from .config import TrainConfig
+from .config_io import save_config, to_dict
 from .fsdp import SINGLE, Dist, all_gather_objects, checkpoint_blocks, full_state_dict, init_distributed, shard
 from .group_size import AdaptiveGroupSize
 from .lengths import check_model_len, kv_cache_shortfall, position_limit
@@ -50,7 +52,7 @@ from .sampler import HFSampler
 from .step import Policy, grpo_step, sft_warmup
 from .tasks import CharTokenizer, PromptStream, make_task, tiny_model
 from .tiled_mlp import tile_mlps
-from .tracking import Trackers, check_installed
+from .tracking import Trackers
 
 __all__ = ["evaluate", "task_examples", "train"]
 
@@ -198,7 +200,6 @@ def _build(config: TrainConfig):
     if sp > 1 and heads is not None and heads % sp:
         raise ValueError(f"distributed.sequence_parallel = {sp} must divide the attention heads of {m.name} "
                          f"({heads})")  # fmt: skip
-    check_installed(config.logging.report_to)
     return tok, task, train_set, eval_set, model
 
 
@@ -310,11 +311,7 @@ def _decoder_blocks(model):
 def train(config: TrainConfig, *, log=print) -> dict:
     """Run config (on every rank under torchrun); returns the summary also written to <run_dir>/summary.json."""
     d = init_distributed(config.distributed.backend, sequence_parallel=config.distributed.sequence_parallel)
-    config = for_device(config, d.device.type)  # model.dtype "auto": bf16 on CUDA (what config.toml then records)
-    if config.model.activation_checkpointing == "offload" and d.device.type != "cuda":
-        raise ValueError(f'model.activation_checkpointing = "offload" needs a CUDA device (pinned host memory to '
-                         f'offload to), this run trains on {d.device.type}: use "blocks", whose saved block inputs '
-                         "already live in host memory there")  # fmt: skip
+    config = preflight.check(config, d.device.type)  # this host's checks; "auto" dtype and trackers resolved
     resume = config.checkpoint.resume
     run_dir = Path(resume or config.logging.run_dir)
     _check_run_dir(run_dir, "checkpoint.resume" if resume else "logging.run_dir", d)

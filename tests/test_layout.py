@@ -1,0 +1,122 @@
+"""The house's rules that code can check (docs/layout.md): no import circle in grpo_kernels/ or benchmarks/, imports
+inside functions counted; the trainer's config modules on the ground floor, importing nothing else of train/."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package in ("grpo_kernels", "benchmarks"):
+        for path in (ROOT / package).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """{module: the modules of these packages it imports}, at any depth of its code (functions too). `from P import
+    name` depends on P.name where that is a module, else on P itself, except a module's import of a name of its
+    own parent package (the compiled `_C` beside it, say), which runs no code of the package it is not part of."""
+    modules = _modules()
+    graph = {}
+    for name, path in modules.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parent = package[: len(package) - (node.level - 1)]
+                    base = ".".join(parent + ([base] if base else []))
+                subs = {f"{base}.{a.name}" for a in node.names} & modules.keys()
+                deps.update(subs)
+                own_parent = name.startswith(base + ".") and modules.get(base, ROOT).name == "__init__.py"
+                if len(subs) < len(node.names) and base in modules and not own_parent:
+                    deps.add(base)
+        graph[name] = deps - {name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, on_stack, stack, out, counter = {}, {}, set(), [], [], [0]
+
+    def visit(root):
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter[0]
+                    counter[0] += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[v] = min(low[v], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_in_the_package_or_the_benchmarks():
+    assert circles(import_graph()) == []
+
+
+def test_the_circle_finder_finds_a_circle_through_an_import_inside_a_function():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert circles(graph) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_config_modules_import_nothing_else_of_the_trainer():
+    graph = import_graph()
+    config_modules = [m for m in graph if m.startswith("grpo_kernels.train.config")]
+    assert {"grpo_kernels.train.config", "grpo_kernels.train.config_io"} <= set(config_modules)
+    for module in config_modules:
+        others = {d for d in graph[module] if d.startswith("grpo_kernels.train") and d not in config_modules}
+        assert not others, f"{module} imports {sorted(others)}"
+
+
+FLOORS = """the kernel side (grpo_kernels/*.py, ops/) imports nothing of train/, integrations/ or the CLI;
+integrations/ import nothing of train/; no module of train/ but trainer and decoupled imports them or the CLI"""
+
+
+def test_the_floors_hold():
+    graph, top = import_graph(), {"grpo_kernels.train.trainer", "grpo_kernels.train.decoupled", "grpo_kernels.cli"}
+    upper = ("grpo_kernels.train", "grpo_kernels.integrations", "grpo_kernels.cli")
+    broken = []
+    for module, deps in graph.items():
+        if module.startswith("grpo_kernels.") and not module.startswith(upper):
+            broken += [(module, d) for d in deps if d.startswith(upper)]
+        if module.startswith("grpo_kernels.integrations"):
+            broken += [(module, d) for d in deps if d.startswith("grpo_kernels.train")]
+        if module.startswith("grpo_kernels.train") and module not in top:
+            broken += [(module, d) for d in deps & top]
+    assert not broken, f"{FLOORS}; broken by {broken}"

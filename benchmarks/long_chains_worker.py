@@ -244,21 +244,21 @@ def _trl_step(spec: dict, model_dir: str) -> dict:
 def _gk_step(spec: dict, model_dir: str) -> dict:
     import torch
 
-    from grpo_kernels.train.fsdp import checkpoint_blocks, init_distributed, shard
+    from grpo_kernels.train import activation
+    from grpo_kernels.train.fsdp import init_distributed, shard
     from grpo_kernels.train.hf_model import load_policy
     from grpo_kernels.train.rollout import Rollout
     from grpo_kernels.train.step import Policy, grpo_step
-    from grpo_kernels.train.tiled_mlp import tile_mlps
 
     provider, point = spec["provider"], spec["point"]
     sp = spec["sp"]
     d = init_distributed("gloo", sequence_parallel=sp) if sp > 1 else None
     model, _ = load_policy(model_dir, dtype="float32")
     _label_blocks(model.base_model.layers, spec)
-    if provider not in ("gk_none", "gk_auto"):
-        checkpoint_blocks(model.base_model.layers, "selective" if provider == "gk_selective" else "blocks")
-    if provider == "gk_tiled":
-        tile_mlps(model.base_model.layers, MLP_TILE)
+    if provider not in ("gk_none", "gk_auto"):  # the trainer's activation.apply (tokens etc. matter for "auto" only)
+        mode = "selective" if provider == "gk_selective" else "blocks"
+        activation.apply(model, mode=mode, tokens=0, completion_tokens=0, dtype_bytes=4,
+                         mlp_tile_tokens=MLP_TILE if provider == "gk_tiled" else 0)  # fmt: skip
     policy = Policy(model)
     if d is not None:
         shard(policy, model.base_model.layers, device=d.device, world=d.world, dtype=torch.float32)
@@ -286,13 +286,9 @@ def _gk_step(spec: dict, model_dir: str) -> dict:
     base = _rss_mb()
     chose = ""
     if provider == "gk_auto":  # the trainer's "auto", its budget the cap's room above this process
-        from grpo_kernels.train.activation_memory import choose_checkpointing
-
-        mode, blocks, chose = choose_checkpointing(
-            model.config, budget=AUTO_SHARE * (spec["cap_mb"] - base) * 2**20, tokens=budget,
-            completion_tokens=max(c.numel() for c in completions), dtype_bytes=4)  # fmt: skip
-        if mode != "none":
-            checkpoint_blocks(model.base_model.layers[:blocks], mode)
+        longest = max(c.numel() for c in completions)
+        chose = activation.apply(model, mode="auto", tokens=budget, completion_tokens=longest, dtype_bytes=4,
+                                 budget_gb=AUTO_SHARE * (spec["cap_mb"] - base) / 1024)[2]  # fmt: skip
     metrics, elapsed = _timed(lambda: step(rollout, budget), spec)
     pad = budget * sp - packed
     return dict(step_s=elapsed, real_tokens=real, computed_tokens=packed + max(pad, 0), pad_tokens=max(pad, 0),

@@ -9,8 +9,8 @@ import torch
 import transformers
 
 from grpo_kernels.packing import pack_sequences
+from grpo_kernels.train.activation import checkpoint_blocks
 from grpo_kernels.train.config_io import load_config
-from grpo_kernels.train.fsdp import checkpoint_blocks
 from grpo_kernels.train.step import Policy, _run
 from grpo_kernels.train.tasks import tiny_model
 
@@ -151,8 +151,8 @@ def test_offloaded_checkpoints_give_the_same_loss_and_gradients_and_copy_only_th
     """"offload": each block's checkpointed input goes through the host-offload hooks (on CPU a copy) once per block
     in the forward and comes back once in the backward; loss and gradients equal "blocks" exactly, with the tiled MLP
     nested inside too; generation passes run plainly."""
-    import grpo_kernels.train.fsdp as fsdp
-    from grpo_kernels.train.tiled_mlp import tile_mlps
+    import grpo_kernels.train.activation.modes as modes
+    from grpo_kernels.train.activation import tile_mlps
 
     model = _llama()
     packed, adv, old = _batch(97, True)
@@ -161,7 +161,7 @@ def test_offloaded_checkpoints_give_the_same_loss_and_gradients_and_copy_only_th
     checkpoint_blocks(blocks.base_model.layers)
     ref_loss, ref = _loss_and_grads(blocks, packed, adv, old, False, **options)
     packs, unpacks = [], []
-    to_host, from_host = fsdp._to_host, fsdp._from_host
+    to_host, from_host = modes._to_host, modes._from_host
 
     def pack(t):
         out = to_host(t)
@@ -172,8 +172,8 @@ def test_offloaded_checkpoints_give_the_same_loss_and_gradients_and_copy_only_th
         unpacks.append(p[1].shape)
         return from_host(p)
 
-    monkeypatch.setattr(fsdp, "_to_host", pack)
-    monkeypatch.setattr(fsdp, "_from_host", unpack)
+    monkeypatch.setattr(modes, "_to_host", pack)
+    monkeypatch.setattr(modes, "_from_host", unpack)
     for tiled in (False, True):
         offloaded = copy.deepcopy(model)
         checkpoint_blocks(offloaded.base_model.layers, "offload")

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from grpo_kernels.cli import main
-from grpo_kernels.train.activation_memory import activation_bytes, choose_checkpointing
+from grpo_kernels.train.activation import activation_bytes, choose_checkpointing
 from grpo_kernels.train.config_io import load_config
 
 SMOLLM2 = transformers.LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -104,7 +104,7 @@ def test_a_run_logs_its_choice_and_refuses_a_budget_below_one_completion(tmp_pat
 
 
 def test_a_run_whose_budget_holds_a_few_blocks_checkpoints_only_the_first_ones(tmp_path, capsys, monkeypatch):
-    import grpo_kernels.train.trainer as trainer
+    import grpo_kernels.train.activation as activation
     from grpo_kernels.train.tasks import tiny_model
 
     tiny = tiny_model(97, num_layers=4).config  # the sizes that matter here do not depend on the vocabulary
@@ -114,16 +114,16 @@ def test_a_run_whose_budget_holds_a_few_blocks_checkpoints_only_the_first_ones(t
 
     assert est(3) < activation_bytes("selective", tiny, dtype_bytes=4, tokens=64)
     applied = []
-    real = trainer.checkpoint_blocks
-    monkeypatch.setattr(trainer, "checkpoint_blocks", lambda blocks, mode: (applied.append((len(blocks), mode)),
-                                                                             real(blocks, mode)))  # fmt: skip
+    real = activation.checkpoint_blocks
+    monkeypatch.setattr(activation, "checkpoint_blocks", lambda blocks, mode: (applied.append((len(blocks), mode)),
+                                                                                real(blocks, mode)))  # fmt: skip
     _run(tmp_path, "--model.num_layers=4", f"--model.activation_memory_gb={(est(3) + est(2)) / 2 / GIB}")
     assert '"auto": "blocks" on the first 3 of 4 decoder blocks, the last 1 keeping' in capsys.readouterr().out
     assert applied == [(3, "blocks")]
 
 
 def test_the_cpu_budget_is_shared_by_the_ranks_on_the_host(monkeypatch):
-    from grpo_kernels.train.activation_memory import activation_budget
+    from grpo_kernels.train.activation import activation_budget
 
     model = torch.nn.Linear(10, 10)  # 110 parameters: 1,320 bytes of gradients and moments to come
     assert activation_budget(model, torch.device("cpu"), 2.0) == 2 * GIB

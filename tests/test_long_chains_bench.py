@@ -398,7 +398,7 @@ def test_profile_tells_the_backwards_recompute_from_the_forward(tmp_path, mode):
     from benchmarks import long_chains_worker as worker
     from benchmarks.long_chains_profile import table
     from grpo_kernels import fused_linear_grpo_loss
-    from grpo_kernels.train.fsdp import checkpoint_blocks
+    from grpo_kernels.train.activation import checkpoint_blocks
 
     torch.manual_seed(0)
     mlp = lambda: torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.SiLU(), torch.nn.Linear(256, 64))  # noqa

@@ -34,8 +34,7 @@ from pathlib import Path
 import torch
 
 from grpo_kernels.attention import HF_ATTENTION_NAME, register_hf_attention
-from grpo_kernels.train.activation_memory import activation_budget, choose_checkpointing
-from grpo_kernels.train.fsdp import checkpoint_blocks
+from grpo_kernels.train import activation
 from grpo_kernels.train.rollout import Rollout
 from grpo_kernels.train.sampler import HFSampler
 from grpo_kernels.train.step import Policy, grpo_step
@@ -110,18 +109,10 @@ def matmul_tflops(shape: Shape) -> float:
 
 
 def apply_mode(model, mode: str, shape: Shape, tokens: int) -> str:
-    """Checkpoint the decoder blocks as `mode` says ("auto": what the trainer's chooser picks); returns a note."""
-    blocks = list(model.model.layers)
-    if mode == "auto":
-        chosen, n, line = choose_checkpointing(model.config, budget=activation_budget(model, shape.device, None),
-                                               tokens=tokens, completion_tokens=shape.lengths[1],
-                                               dtype_bytes=2)  # fmt: skip
-        if chosen != "none":
-            checkpoint_blocks(blocks[:n], chosen)
-        return line
-    if mode != "none":
-        checkpoint_blocks(blocks, mode)
-    return ""
+    """Checkpoint the decoder blocks as the trainer does for `mode` (its activation.apply; "auto": what its chooser
+    picks for this device's free memory); returns auto's line ("" for the other modes)."""
+    return activation.apply(model, mode=mode, tokens=tokens, completion_tokens=shape.lengths[1], dtype_bytes=2,
+                            device=shape.device)[2]
 
 
 def sync(shape: Shape) -> None:

@@ -33,7 +33,7 @@ import torch
 
 from benchmarks.gpu.trainer_speed import QWEN25_15B, TINY, Shape, synthetic_rollout
 from grpo_kernels.attention import HF_ATTENTION_NAME, register_hf_attention
-from grpo_kernels.train.fsdp import checkpoint_blocks
+from grpo_kernels.train.activation import checkpoint_blocks
 from grpo_kernels.train.rollout import Rollout
 from grpo_kernels.train.step import Policy, grpo_step
 

@@ -90,15 +90,15 @@ class ModelConfig:
     its recompute. "auto" (the default): the fastest of none, selective, "blocks" on only the first n decoder blocks
     (the last ones keeping every activation, so the backward recomputes n blocks instead of all) and blocks, whose
     estimated activations for a micro-batch of packing.token_budget tokens fit model.activation_memory_gb, logged
-    at the start (grpo_kernels.train.activation_memory)."""
+    at the start (grpo_kernels.train.activation)."""
     activation_memory_gb: float | None = None
     """"auto"'s activation budget in GiB; None: on CUDA 90 % of the device memory free after the model loads, on
     CPU half the available memory, less the gradients and AdamW's moments (12 bytes per parameter). A budget that
     cannot hold one completion with "blocks" is refused before the first step."""
     mlp_tile_tokens: int = 0
-    """Sequence-tiled MLP (grpo_kernels.train.tiled_mlp): > 0 runs every decoder block's MLP over tiles of this many
-    tokens of the packed row, each tile checkpointed, so a block's MLP intermediates (4 x intermediate_size floats
-    per token for a SwiGLU MLP) exist for one tile at a time instead of the whole row, in the forward and in the
+    """Sequence-tiled MLP (grpo_kernels.train.activation.tiled_mlp): > 0 runs every decoder block's MLP over tiles of
+    this many tokens of the packed row, each tile checkpointed, so a block's MLP intermediates (4 x intermediate_size
+    floats per token for a SwiGLU MLP) exist for one tile at a time instead of the whole row, in the forward and in the
     recompute; for one more MLP forward per block. For long rows (thousands of tokens), e.g. 512; below
     packing.token_budget (the longest row). 0: off. The loss and gradients are the same either way."""
 

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from . import preflight
-from .activation_memory import AUTO_ORDER, activation_budget, choose_checkpointing
+from . import activation, preflight
+from .activation import decoder_blocks
 from .checkpoint import (
     CheckpointError,
     config_changes,
@@ -44,14 +44,13 @@ from .checkpoint import (
 )
 from .config import TrainConfig
 from .config_io import save_config, to_dict
-from .fsdp import SINGLE, Dist, all_gather_objects, checkpoint_blocks, full_state_dict, init_distributed, shard
+from .fsdp import SINGLE, Dist, all_gather_objects, full_state_dict, init_distributed, shard
 from .group_size import AdaptiveGroupSize
 from .lengths import check_model_len, kv_cache_shortfall, position_limit
 from .rollout import Rollout
 from .sampler import HFSampler
 from .step import Policy, grpo_step, sft_warmup
 from .tasks import CharTokenizer, PromptStream, make_task, tiny_model
-from .tiled_mlp import tile_mlps
 from .tracking import Trackers
 
 __all__ = ["evaluate", "task_examples", "train"]
@@ -301,13 +300,6 @@ def _verified_checkpoint(config: TrainConfig, run_dir: Path, d: Dist, log) -> Pa
     return checkpoint
 
 
-def _decoder_blocks(model):
-    layers = getattr(model.base_model, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise ValueError(f"cannot shard {type(model).__name__}: no decoder block list at model.base_model.layers")
-    return layers
-
-
 def train(config: TrainConfig, *, log=print) -> dict:
     """Run config (on every rank under torchrun); returns the summary also written to <run_dir>/summary.json."""
     d = init_distributed(config.distributed.backend, sequence_parallel=config.distributed.sequence_parallel)
@@ -362,29 +354,14 @@ def _run(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model, 
     if config.loss.beta > 0:
         ref_policy = Policy(copy.deepcopy(model).requires_grad_(False), compute_dtype=torch.bfloat16 if bf16 else None)
     policy = Policy(model, compute_dtype=torch.bfloat16 if bf16 and not d.distributed else None)
-    mode, blocks = config.model.activation_checkpointing, len(_decoder_blocks(model))
-    if mode == "auto":
-        mode, blocks, line = choose_checkpointing(
-            model.config, budget=activation_budget(model, d.device, config.model.activation_memory_gb),
-            tokens=config.packing.token_budget, completion_tokens=config.sampling.max_new_tokens,
-            dtype_bytes=2 if bf16 else 4, mlp_tile_tokens=config.model.mlp_tile_tokens,
-        )  # fmt: skip
-        if d.distributed:  # every rank the same choice: the most frugal any rank needs
-            choices = all_gather_objects((mode, blocks), d)
-            mode, blocks = max(choices, key=lambda c: (AUTO_ORDER.index(c[0]), c[1]))
-            if len(set(choices)) > 1:
-                line += (f'; "{mode}" on {blocks} blocks on every rank (the ranks chose '
-                         f"{', '.join(f'{m} on {n}' for m, n in choices)})")  # fmt: skip
-        if d.rank == 0:
-            log(line)
-    if mode != "none":
-        checkpoint_blocks(_decoder_blocks(model)[:blocks], mode)
-    if config.model.mlp_tile_tokens:
-        tile_mlps(_decoder_blocks(model), config.model.mlp_tile_tokens)
+    activation.apply(model, mode=config.model.activation_checkpointing, tokens=config.packing.token_budget,
+                     completion_tokens=s.max_new_tokens, dtype_bytes=2 if bf16 else 4,
+                     mlp_tile_tokens=config.model.mlp_tile_tokens, budget_gb=config.model.activation_memory_gb,
+                     device=d.device, dist=d, log=log)  # fmt: skip
     if d.distributed:
         dtype = torch.bfloat16 if bf16 else torch.float32
         for p in [policy] + ([ref_policy] if ref_policy else []):
-            shard(p, _decoder_blocks(p.model), device=d.device, world=d.world, dtype=dtype)
+            shard(p, decoder_blocks(p.model), device=d.device, world=d.world, dtype=dtype)
     o = config.optim
     optimizer = torch.optim.AdamW(policy.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config))

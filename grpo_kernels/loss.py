@@ -1,4 +1,22 @@
-"""Public API: the GRPO policy loss with TRL's math and normalizers, from log-probs or fused with log-softmax."""
+"""Public API: the GRPO policy loss with TRL's math and normalizers, from log-probs or fused with log-softmax.
+
+Non-finite values, the same on every backend (reference, C++, Triton) and loss type:
+    - a token with m = 0 takes no part: NaN / inf in any of its inputs reaches neither the loss nor a gradient;
+    - a NaN in logps, old_logps, advantages or (beta > 0) ref_logps of a token with m != 0 propagates: the loss
+      is NaN (never inf or a finite number), that token's gradient is NaN (at sequence level, where the
+      sequence's ratio is NaN, every token's of the sequence), the other sequences' gradients are unaffected;
+      sampler_logps go through nan_to_num, as in TRL; vespo's phi too (TRL's nan_to_num): a NaN in a
+      sequence's ratio sets its phi to 0, so the policy gradient of that sequence is 0 (its loss is NaN only
+      through a NaN term, e.g. a NaN logp);
+    - w is computed in fp32 (the reference: in the input's dtype): for log w > 88.72 it is inf. The C++ and
+      Triton backends never turn that into NaN: where it meets an exact zero (a clipped branch, A = 0, a zero
+      derivative or sampler weight) the result is 0, as in exact arithmetic, so a clipped token has a zero
+      gradient and a finite loss term; only a value that itself exceeds fp32 (the unclipped -w A of a token
+      with A < 0 and no delta) is inf, and so is that token's gradient. The KL term takes beta exp(ref - logp)
+      (times w with use_bias_correction_kl) as one exp: finite wherever that product fits fp32, e.g. for a
+      token the policy has all but ruled out. (The eager reference follows TRL's arithmetic: exact in fp64,
+      where w = exp(100) is finite, but in fp32 it has these infs and NaNs.)
+"""
 
 import inspect
 
@@ -62,22 +80,7 @@ def grpo_loss(
     sum_t m l; bnpo: sum m l / sum m; dr_grpo: sum m l / (B max_completion_length); dapo/cispo/vespo: sum m l /
     num_items_in_batch (default sum m).
 
-    Non-finite values, the same on every backend (reference, C++, Triton) and loss type:
-        - a token with m = 0 takes no part: NaN / inf in any of its inputs reaches neither the loss nor a gradient;
-        - a NaN in logps, old_logps, advantages or (beta > 0) ref_logps of a token with m != 0 propagates: the loss
-          is NaN (never inf or a finite number), that token's gradient is NaN (at sequence level, where the
-          sequence's ratio is NaN, every token's of the sequence), the other sequences' gradients are unaffected;
-          sampler_logps go through nan_to_num, as in TRL; vespo's phi too (TRL's nan_to_num): a NaN in a
-          sequence's ratio sets its phi to 0, so the policy gradient of that sequence is 0 (its loss is NaN only
-          through a NaN term, e.g. a NaN logp);
-        - w is computed in fp32 (the reference: in the input's dtype): for log w > 88.72 it is inf. The C++ and
-          Triton backends never turn that into NaN: where it meets an exact zero (a clipped branch, A = 0, a zero
-          derivative or sampler weight) the result is 0, as in exact arithmetic, so a clipped token has a zero
-          gradient and a finite loss term; only a value that itself exceeds fp32 (the unclipped -w A of a token
-          with A < 0 and no delta) is inf, and so is that token's gradient. The KL term takes beta exp(ref - logp)
-          (times w with use_bias_correction_kl) as one exp: finite wherever that product fits fp32, e.g. for a
-          token the policy has all but ruled out. (The eager reference follows TRL's arithmetic: exact in fp64,
-          where w = exp(100) is finite, but in fp32 it has these infs and NaNs.)
+    Non-finite values (NaN, inf, ratios past fp32): the rules every backend follows are in this module's docstring.
 
     Args:
         logps: the policy's per-token log-probs, padded `[B, L]` (with `mask`) or packed `[T]` (with

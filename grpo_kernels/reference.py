@@ -224,16 +224,8 @@ def grpo_loss(
         kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
         if use_bias_correction_kl:
             kl = kl * w
-    is_ratio = None
-    if sampler_logps is not None:
-        diff = torch.nan_to_num((old - sampler_logps) * mask, nan=0.0)
-        if sampler_is_mode.startswith("sequence"):
-            diff = diff.sum(dim=-1, keepdim=True)
-        is_ratio = torch.exp(diff)
-        if sampler_is_mode.endswith("truncate"):
-            is_ratio = torch.clamp(is_ratio, max=sampler_is_cap)
-        else:
-            is_ratio = is_ratio.masked_fill(is_ratio > sampler_is_cap, 0.0)
+    is_ratio = None if sampler_logps is None else _sampler_weight(old, sampler_logps, mask, sampler_is_mode,
+                                                                  sampler_is_cap)  # fmt: skip
     if loss_type == "vespo":
         with torch.no_grad():
             phi = _vespo_phi(log_ratio, mask, valid, is_ratio, adv, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
@@ -257,18 +249,7 @@ def grpo_loss(
     if beta != 0.0:
         per_token = per_token + beta * kl
 
-    total = (per_token * mask).sum()
-    if loss_type in ("grpo", "sapo"):
-        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    elif loss_type == "luspo":
-        loss = (per_token * mask).sum(-1).mean()
-    elif loss_type == "bnpo":
-        loss = total / mask.sum().clamp(min=1.0)
-    elif loss_type == "dr_grpo":
-        loss = total / (per_token.shape[0] * (max_completion_length or logps.shape[-1]))
-    else:
-        items = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=total.dtype)
-        loss = total / items.clamp(min=1.0)
+    loss = _aggregate(per_token, mask, loss_type, max_completion_length, num_items_in_batch)
 
     def masked_mean(x: torch.Tensor) -> torch.Tensor:
         x = x.detach().to(mask.dtype)
@@ -295,3 +276,28 @@ def grpo_loss(
     if sampler_logps is not None:
         metrics["sampler_logp_abs_diff"] = masked_mean(torch.nan_to_num((logps - sampler_logps).abs(), nan=0.0))
     return loss, metrics
+
+
+def _sampler_weight(old, sampler_logps, mask, mode: str, cap: float) -> torch.Tensor:
+    """The truncated importance-sampling weight exp(old - sampler) per token, or per sequence (its sum), truncated at
+    cap ("*_truncate") or zeroed above it ("*_mask"); NaN differences count 0 (TRL's nan_to_num)."""
+    diff = torch.nan_to_num((old - sampler_logps) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    weight = torch.exp(diff)
+    return torch.clamp(weight, max=cap) if mode.endswith("truncate") else weight.masked_fill(weight > cap, 0.0)
+
+
+def _aggregate(per_token, mask, loss_type: str, max_completion_length, num_items_in_batch) -> torch.Tensor:
+    """The loss from its per-token terms [B, L] with TRL's normalizer of loss_type (see grpo_loss)."""
+    total = (per_token * mask).sum()
+    if loss_type in ("grpo", "sapo"):
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "luspo":
+        return (per_token * mask).sum(-1).mean()
+    if loss_type == "bnpo":
+        return total / mask.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        return total / (per_token.shape[0] * (max_completion_length or per_token.shape[-1]))
+    items = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=total.dtype)
+    return total / items.clamp(min=1.0)

@@ -198,7 +198,7 @@ def test_per_sequence_cpu_path_cuts_its_inputs_once_and_matches_dense(shared_pre
 def test_sdpa_batched_by_length_equals_one_call_per_sequence_bit_for_bit(shared_prefix, dtype):
     """The CPU path stacks the sequences (or [prompt; completion] calls) of one length into one SDPA: outputs and
     gradients are those of one SDPA per sequence, exactly (the learning check's calibrated runs rely on it)."""
-    from grpo_kernels.attention import _sdpa
+    from grpo_kernels.attention_sdpa import _sdpa
 
     g = torch.Generator().manual_seed(11)
     lengths = [int(x) for x in torch.randint(1, 6, (48,), generator=g)]  # many repeats: batches of up to ~12

@@ -246,35 +246,13 @@ def grpo_loss(
 
     if is_ratio is not None and loss_type != "vespo":  # vespo's phi holds the sampler weights
         per_token = per_token * is_ratio
-    if beta != 0.0:
-        per_token = per_token + beta * kl
+    per_token = per_token + beta * kl if beta != 0.0 else per_token
 
     loss = _aggregate(per_token, mask, loss_type, max_completion_length, num_items_in_batch)
 
-    def masked_mean(x: torch.Tensor) -> torch.Tensor:
-        x = x.detach().to(mask.dtype)
-        if x.shape[-1] == 1:  # one value per sequence
-            return x.mean()
-        return (x * mask).sum() / mask.sum().clamp(min=1.0)
-
-    w_clip = w.detach()
-    low = (w_clip < 1 - epsilon_low) & (adv < 0)
-    high = (w_clip > 1 + epsilon_high) & (adv > 0)
-    metrics = {
-        "clip_ratio/low_mean": masked_mean(low),
-        "clip_ratio/high_mean": masked_mean(high),
-        "clip_ratio/region_mean": masked_mean(low | high),
-        "ratio_mean": masked_mean(ratio_for_metrics),
-    }
-    if loss_type == "cispo":
-        cispo_clipped = masked_mean((w_clip > epsilon_high) & (adv > 0))
-        metrics = {"cispo_clip_ratio": cispo_clipped, "ratio_mean": metrics["ratio_mean"]}
-    elif loss_type == "vespo":
-        metrics = {"vespo/phi_seq_mean": masked_mean(phi), "ratio_mean": metrics["ratio_mean"]}
-    if beta != 0.0:
-        metrics["kl"] = masked_mean(kl)
-    if sampler_logps is not None:
-        metrics["sampler_logp_abs_diff"] = masked_mean(torch.nan_to_num((logps - sampler_logps).abs(), nan=0.0))
+    diff = None if sampler_logps is None else torch.nan_to_num((logps - sampler_logps).abs(), nan=0.0)
+    extra = {"kl": kl if beta != 0.0 else None, "phi": phi if loss_type == "vespo" else None, "sampler_diff": diff}
+    metrics = _metrics(w.detach(), ratio_for_metrics, adv, mask, loss_type, epsilon_low, epsilon_high, **extra)
     return loss, metrics
 
 
@@ -301,3 +279,29 @@ def _aggregate(per_token, mask, loss_type: str, max_completion_length, num_items
         return total / (per_token.shape[0] * (max_completion_length or per_token.shape[-1]))
     items = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=total.dtype)
     return total / items.clamp(min=1.0)
+
+
+def _metrics(w, ratio, adv, mask, loss_type, epsilon_low, epsilon_high, *, kl, phi, sampler_diff) -> dict:
+    """TRL's logged metrics: masked token means (plain means of per-sequence values) of the clip flags, the ratio,
+    and the KL, vespo's phi and |logp - sampler| where they exist."""
+
+    def masked_mean(x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().to(mask.dtype)
+        if x.shape[-1] == 1:  # one value per sequence
+            return x.mean()
+        return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+    low, high = (w < 1 - epsilon_low) & (adv < 0), (w > 1 + epsilon_high) & (adv > 0)
+    if loss_type == "cispo":
+        metrics = {"cispo_clip_ratio": masked_mean((w > epsilon_high) & (adv > 0))}
+    elif loss_type == "vespo":
+        metrics = {"vespo/phi_seq_mean": masked_mean(phi)}
+    else:
+        metrics = {"clip_ratio/low_mean": masked_mean(low), "clip_ratio/high_mean": masked_mean(high),
+                   "clip_ratio/region_mean": masked_mean(low | high)}  # fmt: skip
+    metrics["ratio_mean"] = masked_mean(ratio)
+    if kl is not None:
+        metrics["kl"] = masked_mean(kl)
+    if sampler_diff is not None:
+        metrics["sampler_logp_abs_diff"] = masked_mean(sampler_diff)
+    return metrics

@@ -56,8 +56,12 @@ def test_defaults_validate_and_loss_defaults_are_grpo_losss():
 
 
 def test_every_field_has_a_docstring_under_it():
-    tree = ast.parse(inspect.getsource(config_module))
-    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+    from grpo_kernels.train import config_run, config_sampling
+
+    classes = [n for m in (config_module, config_sampling, config_run) for n in ast.parse(inspect.getsource(m)).body
+               if isinstance(n, ast.ClassDef)]  # fmt: skip
+    assert {"SamplingConfig", "LoggingConfig", "TrainConfig"} <= {c.name for c in classes}
+    for cls in classes:
         body = cls.body
         for i, node in enumerate(body):
             if isinstance(node, ast.AnnAssign) and "ClassVar" not in ast.unparse(node.annotation):

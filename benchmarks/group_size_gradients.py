@@ -135,18 +135,18 @@ def measure(model: str, *, group_sizes, prompts_per_step: int, repeats: int, poo
     from grpo_kernels.train.config_io import load_config
     from grpo_kernels.train.fsdp import SINGLE
     from grpo_kernels.train.step import Policy, grpo_step, sft_warmup
-    from grpo_kernels.train.trainer import _build, _sample, _sampler, _seed
+    from grpo_kernels.train.trainer import build, make_sampler, sample_scored, seed_for
 
     config = load_config(None, {"seed": seed, "model": {"name": model},
                                 "task": {"name": task, "difficulty": difficulty, "num_train_prompts": 1,
                                          "num_eval_prompts": pool, "seed": seed},
                                 "sampling": {"sampler": sampler, "temperature": temperature,
                                              "max_new_tokens": max_new_tokens, "group_size": 2}})  # fmt: skip
-    tok, task_, _, examples, model_ = _build(config)
+    tok, task_, _, examples, model_ = build(config)
     if sft_steps:  # a policy that is sometimes right (the tiny model starts at 0)
         sft_warmup(model_, tok, task_, steps=sft_steps, seed=seed)
     policy = Policy(model_)
-    engine = _sampler(config, model_, tok, SINGLE)
+    engine = make_sampler(config, model_, tok, SINGLE)
     recorder = GradientRecorder(policy.parameters())
     try:
         for g in todo:
@@ -156,8 +156,8 @@ def measure(model: str, *, group_sizes, prompts_per_step: int, repeats: int, poo
                 for side in ("a", "b"):
                     batch = random.Random(f"{seed}-{g}-{r}-{side}").sample(examples, prompts_per_step)
                     start = time.perf_counter()
-                    seeds = [_seed(seed, 7, g, r, side == "b", k) for k in range(len(batch))]
-                    rollout = _sample(engine, tok, task_, batch, g, seeds, SINGLE)
+                    seeds = [seed_for(seed, 7, g, r, side == "b", k) for k in range(len(batch))]
+                    rollout = sample_scored(engine, tok, task_, batch, g, seeds, SINGLE)
                     row["sample_s"] += time.perf_counter() - start
                     start = time.perf_counter()
                     metrics = grpo_step(policy, recorder, rollout, loss_options=config.loss.kwargs(),

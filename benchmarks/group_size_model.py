@@ -71,19 +71,19 @@ def sample_pass_rates(model: str, *, prompts: int, samples: int, sampler: str, t
     """Per prompt: the prompt, its answer, set A's successes and set B's outcomes (samples each)."""
     from grpo_kernels.train.config_io import load_config
     from grpo_kernels.train.fsdp import SINGLE
-    from grpo_kernels.train.trainer import _build, _sampler, _seed
+    from grpo_kernels.train.trainer import build, make_sampler, seed_for
 
     config = load_config(None, {"seed": seed, "model": {"name": model},
                                 "task": {"name": task, "difficulty": difficulty, "num_train_prompts": 1,
                                          "num_eval_prompts": prompts, "seed": seed},
                                 "sampling": {"sampler": sampler, "temperature": temperature,
                                              "max_new_tokens": max_new_tokens, "group_size": 2}})  # fmt: skip
-    tok, task_, _, examples, policy = _build(config)
-    engine = _sampler(config, policy, tok, SINGLE)
+    tok, task_, _, examples, policy = build(config)
+    engine = make_sampler(config, policy, tok, SINGLE)
     encoded = [tok.encode_prompt(e.prompt) for e in examples]
     sets = []
     for part in range(2):  # A, B: independent seeds
-        rollout = engine.sample(encoded, samples, seeds=[_seed(seed, 99, part, i) for i in range(len(examples))])
+        rollout = engine.sample(encoded, samples, seeds=[seed_for(seed, 99, part, i) for i in range(len(examples))])
         sets.append([task_.correct(tok.decode(c), examples[i // samples]) == 1.0
                      for i, c in enumerate(rollout.completion_ids)])  # fmt: skip
     if sampler == "vllm":

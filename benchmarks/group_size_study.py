@@ -154,7 +154,7 @@ def run_one(label: str, overrides: dict, run_dir: Path, *, sft_cache: dict) -> d
     config = load_config(REPO / "examples" / "train_tiny_cpu.toml",
                          {**overrides, "logging.run_dir": str(run_dir), "logging.log_every": 10**6})  # fmt: skip
     groups: list = []
-    with mock.patch.object(trainer, "_collect", _recording_collect(trainer._collect, groups)), \
+    with mock.patch.object(trainer, "collect", _recording_collect(trainer.collect, groups)), \
             mock.patch.object(trainer, "sft_warmup", _cached_sft(trainer.sft_warmup, sft_cache)):  # fmt: skip
         summary = trainer.train(config, log=lambda *a, **k: None)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -19,8 +19,8 @@ from grpo_kernels.train import sampler as sampler_module
 from grpo_kernels.train import trainer as trainer_module
 
 
-class MultinomialDraw(sampler_module._SeededSampling):
-    """`_SeededSampling` with HF's do_sample draw while a training rollout is sampled (`drawing`)."""
+class MultinomialDraw(sampler_module.SeededSampling):
+    """`SeededSampling` with HF's do_sample draw while a training rollout is sampled (`drawing`)."""
 
     drawing = False
 
@@ -36,9 +36,9 @@ class MultinomialDraw(sampler_module._SeededSampling):
 
 
 def patch() -> None:
-    """Training rollouts (`_sample` without a score function: evaluations score with `task.correct`) draw with
+    """Training rollouts (`sample_scored` without a score function: evaluations score with `task.correct`) draw with
     torch.multinomial; everything else is unchanged."""
-    sample = trainer_module._sample
+    sample = trainer_module.sample_scored
 
     def training_draws(sampler, tok, task, examples, g, seeds, d, *, score=None):
         MultinomialDraw.drawing = score is None
@@ -47,8 +47,8 @@ def patch() -> None:
         finally:
             MultinomialDraw.drawing = False
 
-    sampler_module._SeededSampling = MultinomialDraw
-    trainer_module._sample = training_draws
+    sampler_module.SeededSampling = MultinomialDraw
+    trainer_module.sample_scored = training_draws
 
 
 if __name__ == "__main__":

@@ -107,8 +107,8 @@ def seeded_draw(trainer, config) -> None:
     import torch
     from transformers import LogitsProcessorList
 
-    from grpo_kernels.train.sampler import _SeededSampling, row_seed
-    from grpo_kernels.train.trainer import _seed
+    from grpo_kernels.train.sampler import SeededSampling, row_seed
+    from grpo_kernels.train.trainer import seed_for
 
     s, model = config.sampling, trainer.model
     generate, single_turn, training = model.generate, trainer._generate_single_turn, [False]
@@ -119,11 +119,11 @@ def seeded_draw(trainer, config) -> None:
         rows, step = kwargs["input_ids"].shape[0], trainer.state.global_step
         if rows % s.group_size:
             raise RuntimeError(f"learning-vs-trl: TRL generated {rows} rows, not whole groups of {s.group_size}")
-        generators = [torch.Generator().manual_seed(row_seed(_seed(config.seed, step, 0, r // s.group_size),
+        generators = [torch.Generator().manual_seed(row_seed(seed_for(config.seed, step, 0, r // s.group_size),
                                                             r % s.group_size)) for r in range(rows)]  # fmt: skip
         greedy = copy.deepcopy(generation_config)  # our processor draws; generate's greedy step takes its token
         greedy.do_sample, greedy.temperature, greedy.top_p, greedy.top_k, greedy.min_p = False, 1.0, 1.0, None, None
-        draw = _SeededSampling(generators, s.temperature, s.top_p)
+        draw = SeededSampling(generators, s.temperature, s.top_p)
         return generate(*args, generation_config=greedy, logits_processor=LogitsProcessorList([draw]), **kwargs)
 
     def flagged(*args, **kwargs):

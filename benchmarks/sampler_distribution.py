@@ -7,7 +7,7 @@
 Two checks on the learning-vs-TRL run's own model, prompts and settings:
 
 1. Tokens. At --contexts next-token distributions of the model (positions of completions it sampled), each token
-   drawn --draws times by our draw (`_SeededSampling`: a generator per row, Gumbel-max in float32, exactly the code
+   drawn --draws times by our draw (`SeededSampling`: a generator per row, Gumbel-max in float32, exactly the code
    that samples) and by `torch.multinomial` (HF's do_sample), each compared with the exact softmax(logits / T) by a
    chi-square test (bins: the tokens expected >= 5 times, the rest pooled), summed over the contexts.
 2. Rollouts. G completions of each of --prompts training prompts by `HFSampler` and by `generate(do_sample=True,
@@ -61,13 +61,13 @@ def chi2_sf(stat: float, dof: int) -> float:
 
 def ours_counts(logits: torch.Tensor, draws: int, temperature: float, seed: int, chunk: int = 250) -> torch.Tensor:
     """Token counts of `draws` draws by the sampler's own draw (one seeded generator per row, as it samples)."""
-    from grpo_kernels.train.sampler import _SeededSampling, row_seed
+    from grpo_kernels.train.sampler import SeededSampling, row_seed
 
     counts = torch.zeros(logits.numel(), dtype=torch.long)
     for start in range(0, draws, chunk):
         rows = range(start, min(draws, start + chunk))
         gens = [torch.Generator().manual_seed(row_seed(seed, j)) for j in rows]
-        out = _SeededSampling(gens, temperature, 1.0)(None, logits.expand(len(rows), -1).clone())
+        out = SeededSampling(gens, temperature, 1.0)(None, logits.expand(len(rows), -1).clone())
         counts += torch.bincount(out.argmax(-1), minlength=logits.numel())
     return counts
 
@@ -83,23 +83,23 @@ def pair_draws(kind: str, logits: torch.Tensor, pairs: int, temperature: float, 
     """[pairs, 2] tokens drawn by the sampler's own draw from one distribution, two per pair, from the draws that a
     wrong seeding would correlate: "rows" members j and j + 1 of a group (prompt k's seed at one step), "steps"
     member j of prompt k at steps s and s + 1, "positions" one row's two successive tokens (one generator)."""
-    from grpo_kernels.train.sampler import _SeededSampling, row_seed
-    from grpo_kernels.train.trainer import _seed
+    from grpo_kernels.train.sampler import SeededSampling, row_seed
+    from grpo_kernels.train.trainer import seed_for
 
     def draw(generators):
         scores = logits.expand(len(generators), -1).clone()
-        return _SeededSampling(generators, temperature, 1.0)(None, scores).argmax(-1)
+        return SeededSampling(generators, temperature, 1.0)(None, scores).argmax(-1)
 
     gen = torch.Generator
     idx = [(k // 7, k % 7) for k in range(pairs)]  # (prompt or step, member) over several of each
     if kind == "rows":
-        a = draw([gen().manual_seed(row_seed(_seed(seed, 0, 0, k), j)) for k, j in idx])
-        b = draw([gen().manual_seed(row_seed(_seed(seed, 0, 0, k), j + 1)) for k, j in idx])
+        a = draw([gen().manual_seed(row_seed(seed_for(seed, 0, 0, k), j)) for k, j in idx])
+        b = draw([gen().manual_seed(row_seed(seed_for(seed, 0, 0, k), j + 1)) for k, j in idx])
     elif kind == "steps":
-        a = draw([gen().manual_seed(row_seed(_seed(seed, s, 0, 3), j)) for s, j in idx])
-        b = draw([gen().manual_seed(row_seed(_seed(seed, s + 1, 0, 3), j)) for s, j in idx])
+        a = draw([gen().manual_seed(row_seed(seed_for(seed, s, 0, 3), j)) for s, j in idx])
+        b = draw([gen().manual_seed(row_seed(seed_for(seed, s + 1, 0, 3), j)) for s, j in idx])
     elif kind == "positions":
-        gens = [gen().manual_seed(row_seed(_seed(seed, 0, 0, k), j)) for k, j in idx]
+        gens = [gen().manual_seed(row_seed(seed_for(seed, 0, 0, k), j)) for k, j in idx]
         a, b = draw(gens), draw(gens)
     else:
         raise ValueError(f"kind is rows, steps or positions, got {kind!r}")
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     from grpo_kernels.train.models import resolve_model
     from grpo_kernels.train.sampler import HFSampler
     from grpo_kernels.train.tasks import PromptStream
-    from grpo_kernels.train.trainer import _seed, task_examples
+    from grpo_kernels.train.trainer import seed_for, task_examples
 
     config = load_config(None, [f"--model.name={args.model}", f"--task.name={args.task}",
                                 f"--task.difficulty={args.difficulty}", f"--seed={args.seed}"])  # fmt: skip
@@ -212,9 +212,9 @@ def main(argv=None) -> int:
                         max_new_tokens=args.max_new_tokens, temperature=args.temperature)  # fmt: skip
     R = args.rounds
     if R == 1:  # the seeds of the first committed run of this check
-        ours = sampler.sample(prompts, g, seeds=[_seed(args.seed, k) for k in range(len(prompts))])
+        ours = sampler.sample(prompts, g, seeds=[seed_for(args.seed, k) for k in range(len(prompts))])
     else:  # round r: the seeds the trainer gives these prompts at step r
-        ours = sampler.sample(prompts * R, g, seeds=[_seed(args.seed, r, 0, k) for r in range(R)
+        ours = sampler.sample(prompts * R, g, seeds=[seed_for(args.seed, r, 0, k) for r in range(R)
                                                      for k in range(len(prompts))])  # fmt: skip
     theirs = hf_sample(model, tok, prompts, g, args, args.seed, R)
     a = rollout_stats(task, tok, examples, ours.completion_ids, ours.truncated, g, R)

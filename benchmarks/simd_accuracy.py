@@ -55,7 +55,7 @@ def batch(model_name: str, seed: int = 0):
     path = Path(args[1]) if args[0] == "--config-file" else None
     config = load_config(path, [f"--seed={seed}", *(args if path is None else [])])
     torch.manual_seed(seed)
-    tok, task, train_set, _, model = T._build(config)
+    tok, task, train_set, _, model = T.build(config)
     if config.task.sft_warmup_steps:
         sft_warmup(model, tok, task, steps=config.task.sft_warmup_steps, seed=seed)
     s, g = config.sampling, 8
@@ -63,7 +63,7 @@ def batch(model_name: str, seed: int = 0):
                         max_new_tokens=s.max_new_tokens, temperature=s.temperature)  # fmt: skip
     examples = PromptStream(train_set, seed).take(16)
     rollout = sampler.sample([tok.encode_prompt(e.prompt) for e in examples], g,
-                             seeds=[T._seed(seed, 0, 0, k) for k in range(len(examples))])  # fmt: skip
+                             seeds=[T.seed_for(seed, 0, 0, k) for k in range(len(examples))])  # fmt: skip
     rewards = [task.reward(tok.decode(c), examples[k]) for k, c in zip(rollout.group_ids, rollout.completion_ids,
                                                                        strict=True)]  # fmt: skip
     packed = pack_sequences(rollout.prompt_ids, rollout.completion_ids)

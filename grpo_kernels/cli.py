@@ -169,12 +169,12 @@ def serve_rollout(args: argparse.Namespace) -> None:
     if args.config:
         from .train.config import for_device
         from .train.config_io import load_config
-        from .train.trainer import _build
+        from .train.trainer import build
         from .train.vllm_sampler import save_hf_model
 
         config = for_device(load_config(args.config), "cuda" if torch.cuda.is_available() else "cpu")
-        model = _build(config)[-1]
-        max_model_len = model.generation_config.max_length  # the run's longest prompt + completion (_build)
+        model = build(config)[-1]
+        max_model_len = model.generation_config.max_length  # the run's longest prompt + completion (build)
         model_dir = str(save_hf_model(model, args.model_dir))
         args.dtype = "bfloat16" if config.model.dtype == "bfloat16" else "float32"
     backend = args.weight_transfer

@@ -99,9 +99,9 @@ def test_seeded_draws_are_independent_across_rows_steps_and_positions(kind, monk
     elif kind == "steps":
         import grpo_kernels.train.trainer as trainer
 
-        monkeypatch.setattr(trainer, "_seed", lambda seed, step, rounds, k: sampler.splitmix64(seed * 1000 + k))
+        monkeypatch.setattr(trainer, "seed_for", lambda seed, step, rounds, k: sampler.splitmix64(seed * 1000 + k))
     else:
-        draw = sampler._SeededSampling.__call__
+        draw = sampler.SeededSampling.__call__
 
         def restarting(self, input_ids, scores):
             states = [g.get_state() for g in self.generators]
@@ -110,7 +110,7 @@ def test_seeded_draws_are_independent_across_rows_steps_and_positions(kind, monk
                 g.set_state(state)
             return out
 
-        monkeypatch.setattr(sampler._SeededSampling, "__call__", restarting)
+        monkeypatch.setattr(sampler.SeededSampling, "__call__", restarting)
     stat, dof = independence(pair_draws(kind, logits, 3000, 0.7, seed=11), probs)
     assert dof >= 9 and chi2_sf(stat, dof) < 1e-9, (stat, dof)
 

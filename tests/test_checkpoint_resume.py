@@ -243,7 +243,7 @@ def test_a_resumed_run_keeps_the_earlier_steps_lines_on_disk_before_its_first_st
         on_disk.update({name: (run / name).read_text() for name in ("metrics.jsonl", "completions.jsonl")})
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(trainer, "_collect", killed)
+    monkeypatch.setattr(trainer, "collect", killed)
     with pytest.raises(KeyboardInterrupt):
         main(["train", "--resume", str(run), "--checkpoint.resume_step=1"])
     for name in ("metrics.jsonl", "completions.jsonl"):

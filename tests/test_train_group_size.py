@@ -59,7 +59,7 @@ def test_dynamic_sampling_drops_exactly_the_groups_the_advantage_kernel_marks_in
     from grpo_kernels.train.fsdp import SINGLE
     from grpo_kernels.train.rollout import Rollout
     from grpo_kernels.train.tasks import Example
-    from grpo_kernels.train.trainer import _collect
+    from grpo_kernels.train.trainer import collect
 
     group_rewards = {"tiny": [1.0, 1.0 + 1e-7], "signal": [0.0, 1.0], "equal": [0.5, 0.5], "near": [0.2, 0.2 + 1e-6]}
     names = list(group_rewards)
@@ -85,7 +85,7 @@ def test_dynamic_sampling_drops_exactly_the_groups_the_advantage_kernel_marks_in
     examples = [Example(prompt=name, answer="") for name in names]
     config = load_config(None, ["--sampling.prompts_per_step=4", "--group_size.dynamic_sampling=true",
                                 "--group_size.max_resample_rounds=0"])  # fmt: skip
-    rollout, sampled, rounds, tokens = _collect(config, Sampler(), Tok(), Task(), lambda n: examples[:n], 0, 2,
+    rollout, sampled, rounds, tokens = collect(config, Sampler(), Tok(), Task(), lambda n: examples[:n], 0, 2,
                                                 SINGLE)  # fmt: skip
     valid = group_advantages(torch.tensor([r for n in names for r in group_rewards[n]]), group_size=2).valid
     assert valid.tolist() == [False, True, False, False]  # the kernel's verdict on these four groups

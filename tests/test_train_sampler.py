@@ -6,13 +6,13 @@ import math
 import pytest
 import torch
 
-from grpo_kernels.train.sampler import HFSampler, _SeededSampling, row_seed
+from grpo_kernels.train.sampler import HFSampler, SeededSampling, row_seed
 from grpo_kernels.train.tasks import CharTokenizer, make_task, tiny_model
 
 
 def draw_frequencies(logits: torch.Tensor, rows: int, temperature: float, top_p: float) -> torch.Tensor:
     generators = [torch.Generator().manual_seed(row_seed(11, j)) for j in range(rows)]
-    out = _SeededSampling(generators, temperature, top_p)(None, logits.expand(rows, -1).clone())
+    out = SeededSampling(generators, temperature, top_p)(None, logits.expand(rows, -1).clone())
     assert bool((out.isfinite().sum(-1) == 1).all())  # exactly one finite entry per row: generate's greedy pick
     return torch.bincount(out.argmax(-1), minlength=logits.numel()).double() / rows
 

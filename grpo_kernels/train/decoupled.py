@@ -125,7 +125,7 @@ class Decoupled:
     def start(cls, config, model, tok, d, run_dir: Path, log) -> "Decoupled":
         """Rank 0: write the model for the servers, start them (or reach sampling.server_urls), set their
         temperature. Other ranks: nothing but the model directory's name. A started server's --max-model-len is
-        model.generation_config.max_length (set by the trainer's `_build`: the longest prompt + max_new_tokens, or
+        model.generation_config.max_length (set by the trainer's `build`: the longest prompt + max_new_tokens, or
         sampling.max_model_len)."""
         s = config.sampling
         model_dir = Path(run_dir) / "rollout-model"

@@ -7,7 +7,7 @@ prompts share the call (or the rank): 1 and N data-parallel ranks sample the sam
 "grpo_varlen" attention restored afterwards): the training model itself in a single process, or a full copy
 that `load_weights` refreshes after every optimizer step when the training model is sharded. Prompts of equal
 length are generated together, every group in one batch (up to `max_batch_rows` rows), so no padding mask is
-needed. The draw does not use the global RNG: `_SeededSampling` gives every row (group k, member j) its own
+needed. The draw does not use the global RNG: `SeededSampling` gives every row (group k, member j) its own
 generator, seeded from (seeds[k], j), and draws its token by Gumbel-max from softmax(top_p(logits / T)); generate
 then takes that token as its greedy pick. So a row's tokens do not depend on its batch. `generate` gets a fresh
 GenerationConfig and the model's own generation defaults (repetition penalty, top-k, ...) are set aside while it
@@ -22,7 +22,7 @@ from .rollout import Rollout
 __all__ = ["HFSampler", "Rollout"]
 
 
-class _SeededSampling(LogitsProcessor):
+class SeededSampling(LogitsProcessor):
     """Draw each row's next token from softmax(top_p(scores / T)) with that row's generator (Gumbel-max) and return
     scores that are -inf except at the drawn token, for generate's greedy step. `logps` collects, per step, each
     row's log-prob of its token under log_softmax(scores / T) over the whole vocabulary (the raw logits: generate
@@ -127,7 +127,7 @@ class HFSampler:
         generators = [torch.Generator(device=device).manual_seed(s) for s in row_seeds]
         config = GenerationConfig(max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=self.pad_id,
                                   eos_token_id=self.stop_ids, use_cache=True)  # fmt: skip
-        draw = _SeededSampling(generators, self.temperature, self.top_p)
+        draw = SeededSampling(generators, self.temperature, self.top_p)
         sequences = self.model.generate(ids.to(device), generation_config=config,
                                         logits_processor=LogitsProcessorList([draw]))  # fmt: skip
         new = sequences[:, ids.shape[1] :].cpu()

@@ -53,10 +53,10 @@ from .step import Policy, grpo_step, sft_warmup
 from .tasks import CharTokenizer, PromptStream, make_task, tiny_model
 from .tracking import Trackers
 
-__all__ = ["evaluate", "task_examples", "train"]
+__all__ = ["build", "collect", "evaluate", "make_sampler", "sample_scored", "seed_for", "task_examples", "train"]
 
 
-def _seed(*parts: int) -> int:
+def seed_for(*parts: int) -> int:
     """A sampling seed for (run seed, step, round, prompt index); distinct for distinct inputs in range."""
     out = 0
     for p in parts:
@@ -64,7 +64,7 @@ def _seed(*parts: int) -> int:
     return out % 2**63
 
 
-def _sample(sampler, tok, task, examples, g: int, seeds: list, d: Dist, *, score=None) -> Rollout:
+def sample_scored(sampler, tok, task, examples, g: int, seeds: list, d: Dist, *, score=None) -> Rollout:
     """The scored rollout of G samples of every example, group k for examples[k]: rank r samples and scores the
     examples r, r + world, ... and every rank receives the whole result. score(completion, example): task.reward
     unless given."""
@@ -105,12 +105,12 @@ def evaluate(sampler, tok, task, examples, *, seed: int, d: Dist = SINGLE) -> fl
     """Success rate (`task.correct`) of one sampled answer per held-out prompt."""
     if not examples:
         return float("nan")
-    rates = _sample(sampler, tok, task, examples, 1, [_seed(seed, k) for k in range(len(examples))], d,
+    rates = sample_scored(sampler, tok, task, examples, 1, [seed_for(seed, k) for k in range(len(examples))], d,
                     score=task.correct).pass_rates()  # fmt: skip
     return sum(rates) / len(rates)
 
 
-def _collect(config: TrainConfig, sampler, tok, task, next_prompts, step: int, g: int, d: Dist):
+def collect(config: TrainConfig, sampler, tok, task, next_prompts, step: int, g: int, d: Dist):
     """The step's (scored rollout, prompts sampled, extra rounds, completion tokens sampled). With dynamic
     sampling, groups without a gradient signal are dropped and more prompts sampled, for at most
     max_resample_rounds more rounds; the rollout is None when no group survived. With
@@ -120,8 +120,8 @@ def _collect(config: TrainConfig, sampler, tok, task, next_prompts, step: int, g
     parts, sampled, rounds, tokens = [], 0, 0, 0
     while True:
         batch = next_prompts(s.prompts_per_step - sum(r.num_groups for r in parts))
-        seeds = [_seed(config.seed, step, rounds, k) for k in range(len(batch))]
-        rollout = _sample(sampler, tok, task, batch, g, seeds, d)
+        seeds = [seed_for(config.seed, step, rounds, k) for k in range(len(batch))]
+        rollout = sample_scored(sampler, tok, task, batch, g, seeds, d)
         sampled, tokens = sampled + len(batch), tokens + sum(len(c) for c in rollout.completion_ids)
         if gs.dynamic_sampling:  # keep the groups with a gradient signal: the advantage kernel's own verdict
             rollout = rollout.select(rollout.advantages.valid.nonzero().flatten().tolist())
@@ -159,7 +159,7 @@ def task_examples(config: TrainConfig):
     return task, task.examples(t.num_train_prompts, seed=t.seed), task.examples(t.num_eval_prompts, seed=t.seed + 1)
 
 
-def _build(config: TrainConfig):
+def build(config: TrainConfig):
     """Tokenizer, task, train/eval examples and the model; checks the data against the budget. Writes nothing but
     the model cache (a known model such as "smollm2-135m" is converted there on first use)."""
     t, m = config.task, config.model
@@ -184,7 +184,7 @@ def _build(config: TrainConfig):
         tok.set_prompt_format(chat_template=True, system_prompt=t.system_prompt)
     longest = max(len(tok.encode_prompt(e.prompt)) for e in train_set + eval_set)
     # What the samplers allow, prompt + completion (vLLM's max_model_len, the servers' --max-model-len), kept where
-    # HF keeps that bound, the model's generation config, for `_sampler` and the decoupled servers.
+    # HF keeps that bound, the model's generation config, for `make_sampler` and the decoupled servers.
     model.generation_config.max_length = check_model_len(
         longest_prompt=longest, max_new_tokens=config.sampling.max_new_tokens,
         max_model_len=config.sampling.max_model_len, position_limit=position_limit(model.config), model=m.name,
@@ -202,7 +202,7 @@ def _build(config: TrainConfig):
     return tok, task, train_set, eval_set, model
 
 
-def _sampler(config: TrainConfig, model, tok, d: Dist):
+def make_sampler(config: TrainConfig, model, tok, d: Dist):
     """The HF sampler (the training model itself, or a full copy when the model will be sharded) or vLLM."""
     s = config.sampling
     if s.sampler == "hf":
@@ -316,7 +316,7 @@ def train(config: TrainConfig, *, log=print) -> dict:
     if resume:
         checkpoint = _verified_checkpoint(config, run_dir, d, log)
     torch.manual_seed(config.seed)
-    tok, task, train_set, eval_set, model = _build(config)
+    tok, task, train_set, eval_set, model = build(config)
     if not d.is_main:
         log = lambda *a, **k: None  # noqa: E731
     if config.task.sft_warmup_steps and checkpoint is None:
@@ -330,7 +330,7 @@ def train(config: TrainConfig, *, log=print) -> dict:
         rollouts = Decoupled.start(config, model, tok, d, run_dir, log)
         sampler = rollouts.sampler
     else:
-        sampler = _sampler(config, model, tok, d)
+        sampler = make_sampler(config, model, tok, d)
     try:
         return _train(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model, sampler, rollouts, log)
     finally:
@@ -452,7 +452,7 @@ def _run(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model, 
     def produce(step):  # decoupled, rank 0, the sampling thread: the batch of `step`
         g = adaptive.group_size if adaptive else s.group_size
         sampler.versions.clear()
-        rollout, sampled, rounds, tokens = _collect(config, sampler, tok, task, next_prompts, step, g, SINGLE)
+        rollout, sampled, rounds, tokens = collect(config, sampler, tok, task, next_prompts, step, g, SINGLE)
         item = {"rollout": rollout, "sampled": sampled, "rounds": rounds, "tokens": tokens, "group_size": g,
                 "prompt_state": prompt_state()}  # fmt: skip
         if sampler.versions:  # the weight version the servers report for the batch's tokens
@@ -481,7 +481,7 @@ def _run(config, d, run_dir, checkpoint, tok, task, train_set, eval_set, model, 
         else:
             g = adaptive.group_size if adaptive else s.group_size
             start = time.perf_counter()
-            rollout, sampled, rounds, tokens = _collect(config, sampler, tok, task, next_prompts, step, g, d)
+            rollout, sampled, rounds, tokens = collect(config, sampler, tok, task, next_prompts, step, g, d)
             timing, where = {"rollout_generate_s": time.perf_counter() - start}, prompt_state()
         totals["completions_sampled"] += sampled * g
         totals["sampled_tokens"] += tokens

@@ -106,6 +106,17 @@ def read_csv(path: Path) -> list:
         return list(csv.DictReader(f))
 
 
+def write_csv(rows: list, path: Path, columns: list) -> None:
+    """Write rows (dicts; missing columns empty) to the CSV at path, replacing it: a stage's whole table, rewritten
+    after each row so that a run stopped at its time limit keeps what it measured."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def append_csv(rows: list, path: Path, columns: list) -> None:
     """Append rows to the CSV at path, writing the header first if the file is new or empty."""
     path.parent.mkdir(parents=True, exist_ok=True)

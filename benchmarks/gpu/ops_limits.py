@@ -19,7 +19,6 @@ device times left out (NaN), so the CSV and every code path are exercised withou
 """
 
 import argparse
-import csv
 import statistics
 import sys
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 
 import grpo_kernels
+from benchmarks.common import write_csv
 from grpo_kernels import reference
 
 LOSS = dict(loss_type="dapo", beta=0.04, epsilon_high=0.28)
@@ -47,10 +47,7 @@ class Stage:
 
     def row(self, kind, op, shape, provider, value, unit, note=""):
         self.rows.append(dict(kind=kind, op=op, shape=shape, provider=provider, value=value, unit=unit, note=note))
-        with self.out.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=FIELDS)
-            writer.writeheader()
-            writer.writerows(self.rows)
+        write_csv(self.rows, self.out, FIELDS)
         print(f"  {kind:11s} {op:22s} {shape:26s} {provider:10s} {value} {unit} {note}", flush=True)
 
     def bench_ms(self, fn) -> float:

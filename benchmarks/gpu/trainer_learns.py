@@ -14,12 +14,13 @@ seed through a few steps on the CPU (gloo) to check the stage end to end; its ga
 """
 
 import argparse
-import csv
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from benchmarks.common import write_csv
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))  # learning_check: the CI check's configuration, not a copy of it
@@ -64,10 +65,7 @@ def main(argv=None) -> int:
         print(f"seed {seed}: gain {rows[-1]['gain']:+.3f} ({rows[-1]['seconds']} s)", flush=True)
     passed, line = learning_check.verdict([r["gain"] for r in rows])
     rows.append(dict(seed="all", device=device, backend=backend, verdict=f"{'pass' if passed else 'FAIL'}: {line}"))
-    with (out / "trainer_learns.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, out / "trainer_learns.csv", FIELDS)
     print(rows[-1]["verdict"])
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -13,7 +13,6 @@ show rather than hide. The verdict row: "exact" or the largest differences.
 """
 
 import argparse
-import csv
 import json
 import shutil
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import write_csv
 from grpo_kernels.train import checkpoint as run_checkpoints
 from grpo_kernels.train.config_io import load_config
 from grpo_kernels.train.step import Policy
@@ -90,10 +90,7 @@ def main(argv=None) -> int:
     diffs = [float(r["largest_difference"]) for r in rows if "largest_difference" in r]
     exact, worst = all(d == 0.0 for d in diffs), max(diffs)
     rows.append(dict(step="all", quantity="verdict", verdict="exact" if exact else f"largest difference {worst:.3g}"))
-    with (out / "trainer_resume.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, out / "trainer_resume.csv", FIELDS)
     for r in rows:
         print(r, flush=True)
     if torch.distributed.is_initialized():

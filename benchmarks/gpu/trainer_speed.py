@@ -25,7 +25,6 @@ Generation (once, mode-independent): the trainer's HF sampler on the same model,
 
 import argparse
 import copy
-import csv
 import random
 import sys
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import write_csv
 from grpo_kernels.attention import HF_ATTENTION_NAME, register_hf_attention
 from grpo_kernels.train import activation
 from grpo_kernels.train.rollout import Rollout
@@ -194,10 +194,7 @@ def main(argv=None) -> int:
                  unit="tokens", note=f"lengths {shape.lengths[0]}..{shape.lengths[1]}")]  # fmt: skip
 
     def write():
-        with (out / "trainer_speed.csv").open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=FIELDS)
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(rows, out / "trainer_speed.csv", FIELDS)
 
     for mode in modes:
         if mode == "offload" and shape.dry:

@@ -22,7 +22,6 @@ before the rows count (relative difference in the note). The dry run (CPU, tiny 
 """
 
 import argparse
-import csv
 import math
 import random
 import sys
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import write_csv
 from benchmarks.gpu.trainer_speed import QWEN25_15B, TINY, Shape, synthetic_rollout
 from grpo_kernels.attention import HF_ATTENTION_NAME, register_hf_attention
 from grpo_kernels.train.activation import checkpoint_blocks
@@ -210,10 +210,7 @@ def main(argv=None) -> int:
     splits = [8, 2] if args.dry_run else [8, 4, 2, 1]
     budgets = [1024] if args.dry_run else [16384, 32768, 65536]
     run_step("long chains", shape, long_chain_rollout(shape), {"trl": splits, "dropin": splits, "ours": budgets}, rows)
-    with (out / "trl_side_by_side.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, out / "trl_side_by_side.csv", FIELDS)
     print(f"trl {trl.__version__}; wrote {out / 'trl_side_by_side.csv'} ({len(rows)} rows)")
     return 0
 

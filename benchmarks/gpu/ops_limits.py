@@ -18,7 +18,6 @@ The dry run runs the same code on the CPU (the C++ kernels) at small shapes with
 device times left out (NaN), so the CSV and every code path are exercised without a GPU.
 """
 
-import argparse
 import statistics
 import sys
 import time
@@ -29,6 +28,8 @@ import torch
 
 import grpo_kernels
 from benchmarks.common import write_csv
+from benchmarks.gpu import stage_args
+from benchmarks.gpu_check import Env
 from grpo_kernels import reference
 
 LOSS = dict(loss_type="dapo", beta=0.04, epsilon_high=0.28)
@@ -51,15 +52,8 @@ class Stage:
         print(f"  {kind:11s} {op:22s} {shape:26s} {provider:10s} {value} {unit} {note}", flush=True)
 
     def bench_ms(self, fn) -> float:
-        """do_bench's median on the GPU; in the dry run the second of two calls' wall time."""
-        if self.dry:
-            fn()
-            start = time.perf_counter()
-            fn()
-            return (time.perf_counter() - start) * 1e3
-        import triton
-
-        return triton.testing.do_bench(fn, return_mode="median")
+        """gpu_check's timer: do_bench's median on the GPU; in the dry run the second of two calls' wall time."""
+        return Env(self.dry, quick=True).time_ms(fn)
 
     def host_us(self, fn, calls: int = 200) -> float:
         """Microseconds of host time per call: the calls issued back to back, the GPU synchronized only at the end
@@ -218,15 +212,8 @@ def determinism_rows(stage: Stage) -> None:
         stage.row("determinism", op, "", "ours", f"{same}/{REPEATS}", "bitwise equal runs")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, no CUDA")
-    parser.add_argument("--out", default="benchmarks/results/gpu_run", help="directory of ops_limits.csv")
-    args = parser.parse_args()
-    if not args.dry_run and not torch.cuda.is_available():
-        raise SystemExit("ops_limits: no CUDA device (use --dry-run on a machine without a GPU)")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+def main(argv=None) -> None:
+    args, out = stage_args("ops_limits", __doc__, "CPU, tiny shapes, no CUDA", argv)
     stage = Stage(args.dry_run, out / "ops_limits.csv")
     import triton
 

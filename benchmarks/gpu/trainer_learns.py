@@ -13,7 +13,6 @@ DIR/learns_seed<N>/ (the run directory as on the CPU: config.toml, metrics.jsonl
 seed through a few steps on the CPU (gloo) to check the stage end to end; its gain means nothing.
 """
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import write_csv
+from benchmarks.gpu import stage_args
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))  # learning_check: the CI check's configuration, not a copy of it
@@ -48,14 +48,7 @@ def run_seed(seed: int, out: Path, dry: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true", help="CPU (gloo), one seed, a few steps")
-    parser.add_argument("--out", default="benchmarks/results/gpu_run", help="directory of the CSV and run dirs")
-    args = parser.parse_args(argv)
-    if not args.dry_run and not torch.cuda.is_available():
-        raise SystemExit("trainer_learns: no CUDA device (use --dry-run on a machine without a GPU)")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    args, out = stage_args("trainer_learns", __doc__, "CPU (gloo), one seed, a few steps", argv)
     seeds = learning_check.SEEDS[:1] if args.dry_run else learning_check.SEEDS
     device = "cpu" if args.dry_run else torch.cuda.get_device_name()
     backend = "gloo" if args.dry_run else "nccl"

@@ -12,7 +12,6 @@ whose reductions are ordered by atomics (flash attention's backward) may differ 
 show rather than hide. The verdict row: "exact" or the largest differences.
 """
 
-import argparse
 import json
 import shutil
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import write_csv
+from benchmarks.gpu import stage_args
 from grpo_kernels.train import checkpoint as run_checkpoints
 from grpo_kernels.train.config_io import load_config
 from grpo_kernels.train.step import Policy
@@ -68,14 +68,7 @@ def compare(a: Path, b: Path) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true", help="CPU (gloo)")
-    parser.add_argument("--out", default="benchmarks/results/gpu_run", help="directory of the CSV and the runs")
-    args = parser.parse_args(argv)
-    if not args.dry_run and not torch.cuda.is_available():
-        raise SystemExit("trainer_resume: no CUDA device (use --dry-run on a machine without a GPU)")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    _, out = stage_args("trainer_resume", __doc__, "CPU (gloo)", argv)
     run_a, run_b = out / "resume_a", out / "resume_b"
     shutil.rmtree(run_a, ignore_errors=True)
     shutil.rmtree(run_b, ignore_errors=True)

@@ -23,16 +23,15 @@ Generation (once, mode-independent): the trainer's HF sampler on the same model,
 ("offload" needs CUDA: its row says so) to check the stage end to end; its numbers mean nothing.
 """
 
-import argparse
 import copy
 import random
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from benchmarks.common import write_csv
+from benchmarks.gpu import stage_args
 from grpo_kernels.attention import HF_ATTENTION_NAME, register_hf_attention
 from grpo_kernels.train import activation
 from grpo_kernels.train.rollout import Rollout
@@ -173,20 +172,13 @@ def generation_rows(shape: Shape, rows: list) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true", help="CPU, a tiny shape")
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
-    parser.add_argument("--out", default="benchmarks/results/gpu_run", help="directory of trainer_speed.csv")
-    args = parser.parse_args(argv)
-    if not args.dry_run and not torch.cuda.is_available():
-        raise SystemExit("trainer_speed: no CUDA device (use --dry-run on a machine without a GPU)")
+    args, out = stage_args("trainer_speed", __doc__, "CPU, a tiny shape", argv,
+                           lambda p: p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes"))
     modes = args.modes.split(",")
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise SystemExit(f"trainer_speed: unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
     shape = Shape(args.dry_run)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     rollout = synthetic_rollout(shape)
     flops, tflops = model_flops(shape.model, rollout), matmul_tflops(shape)
     rows = [dict(mode="-", quantity="bf16 matmul", value=f"{tflops:.0f}", unit="TFLOP/s", note="8192^3"),

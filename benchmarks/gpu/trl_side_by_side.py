@@ -21,16 +21,15 @@ and peak; the drop-in <= 0.8x; the long-chain step <= 0.5x time. Each provider's
 before the rows count (relative difference in the note). The dry run (CPU, tiny shapes) checks the stage end to end.
 """
 
-import argparse
 import math
 import random
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from benchmarks.common import write_csv
+from benchmarks.gpu import stage_args
 from benchmarks.gpu.trainer_speed import QWEN25_15B, TINY, Shape, synthetic_rollout
 from grpo_kernels.attention import HF_ATTENTION_NAME, register_hf_attention
 from grpo_kernels.train.activation import checkpoint_blocks
@@ -187,12 +186,7 @@ def run_step(name: str, shape: Shape, rollout: Rollout, options: dict, rows: lis
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes")
-    parser.add_argument("--out", default="benchmarks/results/gpu_run", help="directory of trl_side_by_side.csv")
-    args = parser.parse_args(argv)
-    if not args.dry_run and not torch.cuda.is_available():
-        raise SystemExit("trl_side_by_side: no CUDA device (use --dry-run on a machine without a GPU)")
+    args, out = stage_args("trl_side_by_side", __doc__, "CPU, tiny shapes", argv)
     try:
         import datasets  # noqa: F401
         import trl
@@ -201,8 +195,6 @@ def main(argv=None) -> int:
                          "benchmarks/gpu/wheels.txt)") from exc  # fmt: skip
     shape = Shape(args.dry_run)
     assert shape.model is (TINY if args.dry_run else QWEN25_15B)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     per_group = shape.group_size
     run_step("loss step", shape, synthetic_rollout(shape),

@@ -29,6 +29,21 @@ def _times_w(x, w):
 
 
 @triton.jit
+def _program_span(cu_ptr, row_len, num_chunks, PADDED: tl.constexpr, CHUNK: tl.constexpr):
+    """(sequence, first token, the sequence's end) of this program's chunk: sequence s is the row [s row_len,
+    (s + 1) row_len) with PADDED, else tokens cu_seqlens[s] .. cu_seqlens[s + 1]."""
+    pid = tl.program_id(0).to(tl.int64)
+    seq = pid // num_chunks
+    if PADDED:
+        start = seq * row_len
+        end = start + row_len
+    else:
+        start = tl.load(cu_ptr + seq).to(tl.int64)
+        end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    return seq, start + (pid % num_chunks) * CHUNK, end
+
+
+@triton.jit
 def _sampler_weight(diff, cap, truncate):
     """exp(nan_to_num(diff)), truncated at cap or zeroed above it (TRL's vLLM importance-sampling modes)."""
     diff = tl.where(diff != diff, 0.0, tl.minimum(tl.maximum(diff, -FLT_MAX), FLT_MAX))
@@ -153,15 +168,7 @@ def _grpo_loss_fwd_kernel(
     [s row_len, (s + 1) row_len) (no cu_seqlens read). FINISH: the last program to finish also reduces every
     partial into the loss, the metrics and the backward's factors (_finish_loss); the other arguments after
     tau_neg are read only then. Inputs other than logps are read in any float (mask: any) dtype, as fp32."""
-    pid = tl.program_id(0).to(tl.int64)
-    seq = pid // num_chunks
-    if PADDED:
-        start = seq * row_len
-        end = start + row_len
-    else:
-        start = tl.load(cu_ptr + seq).to(tl.int64)
-        end = tl.load(cu_ptr + seq + 1).to(tl.int64)
-    chunk_start = start + (pid % num_chunks) * CHUNK
+    seq, chunk_start, end = _program_span(cu_ptr, row_len, num_chunks, PADDED, CHUNK)
     if SEQ_LEVEL:
         seq_logw = tl.load(seq_logw_ptr + seq)
     if HAS_SAMPLER:
@@ -291,7 +298,7 @@ def _grpo_loss_fwd_kernel(
             acc_high += tl.where(on & high, m, 0.0)
             acc_region += tl.where(on & (low | high), m, 0.0)
         acc_ratio += tl.sum(tl.where(on, m * w, 0.0).to(tl.float64), axis=0)
-    out = partial_ptr + pid * 9  # fp64
+    out = partial_ptr + tl.program_id(0).to(tl.int64) * 9  # fp64
     tl.store(out, tl.sum(acc_loss, axis=0))
     tl.store(out + 1, tl.sum(acc_n, axis=0).to(tl.float64))
     tl.store(out + 2, tl.sum(acc_dw, axis=0))
@@ -320,15 +327,7 @@ def _grpo_loss_bwd_kernel(
 ):  # fmt: skip
     """grad_t = a_s coef_t (+ b_s m_t for GSPO, 0 where m_t = 0), a_s = a[s a_stride] (times the upstream gradient
     g_ptr[0] with HAS_G: read on the device, so a backward needs no host value); PADDED as in the forward."""
-    pid = tl.program_id(0).to(tl.int64)
-    seq = pid // num_chunks
-    if PADDED:
-        start = seq * row_len
-        end = start + row_len
-    else:
-        start = tl.load(cu_ptr + seq).to(tl.int64)
-        end = tl.load(cu_ptr + seq + 1).to(tl.int64)
-    chunk_start = start + (pid % num_chunks) * CHUNK
+    seq, chunk_start, end = _program_span(cu_ptr, row_len, num_chunks, PADDED, CHUNK)
     a = tl.load(a_ptr + seq * a_stride)
     if HAS_G:
         a = a * tl.load(g_ptr).to(tl.float32)

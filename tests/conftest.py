@@ -127,8 +127,8 @@ def _seed(request):
 
 
 # GRPO_TEST_TIMELINE=<file>: one line per test appended to <file> (worker, start and end on the wall clock, setup and
-# teardown included, node id, CPU seconds), to see how `make test`'s workers spend the suite: `python -m
-# benchmarks.suite_timeline <file>`. CPU seconds: user + system of the worker and of the processes it waited for
+# teardown included, node id, CPU seconds), to see how `make test`'s workers spend the suite: `python
+# tests/suite_timeline.py <file>`. CPU seconds: user + system of the worker and of the processes it waited for
 # (theirs include their own waited-for children) during the test; on a busy machine they move far less than the wall
 # clock does.
 _TIMELINE = os.environ.get("GRPO_TEST_TIMELINE")

@@ -45,7 +45,7 @@ def test_collected_tests_carry_their_modules_group(request):
 
 
 def test_the_suite_timeline_reads_what_the_hook_writes_and_reports_each_workers_idle_tail(tmp_path):
-    from benchmarks import suite_timeline
+    import suite_timeline  # (tests/, beside this file: the suite's own tooling)
 
     path = tmp_path / "timeline.tsv"
     path.write_text("gw0\t100.0\t110.0\ttests/test_a.py::t1\n"

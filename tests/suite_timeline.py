@@ -1,7 +1,7 @@
 """How the test suite's workers spent a run: from the file a run wrote with GRPO_TEST_TIMELINE set (tests/conftest.py).
 
     GRPO_TEST_TIMELINE=/tmp/t.tsv make test
-    .venv/bin/python -m benchmarks.suite_timeline /tmp/t.tsv
+    .venv/bin/python tests/suite_timeline.py /tmp/t.tsv
 
 Per worker: busy seconds, first start, last end, and the idle time after its last test while another worker still
 ran (the tail a better order would remove); then the slowest tests, the xdist groups (the "@group" suffix) with

@@ -132,3 +132,15 @@ def test_the_cpu_budget_is_shared_by_the_ranks_on_the_host(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     four = activation_budget(model, torch.device("cpu"), None)
     assert one > 0 and (four + 1320) == pytest.approx((one + 1320) / 4, rel=0.05)  # MemAvailable moves a little
+
+
+def test_apply_refuses_an_unknown_mode_naming_the_option_before_touching_the_model():
+    from grpo_kernels.train import activation
+    from grpo_kernels.train.tasks import tiny_model
+
+    model = tiny_model(97, num_layers=2)
+    forwards = [block.forward for block in model.base_model.layers]
+    with pytest.raises(ValueError, match=r"mode \(model.activation_checkpointing\) must be one of 'none', 'auto'"):
+        activation.apply(model, mode="everything", tokens=64, completion_tokens=8, dtype_bytes=4)
+    assert [block.forward for block in model.base_model.layers] == forwards
+    assert activation.apply(model, mode="blocks", tokens=64, completion_tokens=8, dtype_bytes=4)[:2] == ("blocks", 2)

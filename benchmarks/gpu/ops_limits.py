@@ -21,7 +21,6 @@ device times left out (NaN), so the CSV and every code path are exercised withou
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -90,19 +89,13 @@ class Stage:
         return launches / calls, device
 
     def host_syncs(self, fn) -> int:
-        """Device-to-host synchronisations one call makes (0 in the dry run: there is no device)."""
+        """Device-to-host synchronisations one call makes (gpu_profile's count; 0 in the dry run: no device)."""
         if self.dry:
             fn()
             return 0
-        self.sync()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                fn()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return sum("synchroniz" in str(w.message) for w in caught)
+        from benchmarks.gpu_profile import host_syncs
+
+        return len(host_syncs(fn))
 
 
 # --------------------------------------------------------------------------------------------------- the loss

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from .. import _C
 from ..types import group_sizes
-from ._triton import require_triton_device
+from ._triton import require_triton_device, stream_counters
 
 SCALE_MODES = {"group": 0, "batch": 1, "none": 2}
 TILE = 256  # elements per program (e.g. 16 groups of 16): the largest tile that compiles without spills
@@ -197,17 +197,9 @@ def _batch_rescale(adv, mean, std, sizes, eps: float, correction: float) -> torc
     return torch.where(adv == 0, adv, (adv * (1.0 / (big_std + eps))).to(adv.dtype))
 
 
-_COUNTERS: dict = {}
-
-
 def _counters(device: torch.device) -> torch.Tensor:
-    """The kernel's int32 [ticket, valid groups, bad groups] of the current stream (zeroed once, then by the
-    kernel's last program)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    counters = _COUNTERS.get((device, stream))
-    if counters is None:
-        counters = _COUNTERS[(device, stream)] = torch.zeros(3, dtype=torch.int32, device=device)
-    return counters
+    """The kernel's int32 [ticket, valid groups, bad groups] of the current stream (see _triton.stream_counters)."""
+    return stream_counters("group_advantages", 3, device)
 
 
 def group_advantages_triton(

@@ -25,7 +25,7 @@ import torch
 import triton
 
 from ..options import LossOptions
-from ._triton import require_triton_device
+from ._triton import require_triton_device, stream_counters
 from .loss import NUM_KERNEL_STATS, NUM_WARPS
 from .loss_kernels import _grpo_loss_bwd_kernel, _grpo_loss_fwd_kernel
 
@@ -33,17 +33,11 @@ __all__ = ["FusedTokenLoss", "divisor_of", "flat", "metric_picks", "token_loss"]
 
 BLOCK = 1024
 CHUNK = BLOCK  # one block per program: at B = 64 rows of 2,048 tokens that is 128 programs, not 64
-_COUNTERS: dict = {}
 
 
 def _counter(device: torch.device) -> torch.Tensor:
-    """The ticket counter of the current stream on `device` (allocated zeroed once; kept at zero by the kernel)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    counter = _COUNTERS.get(key)
-    if counter is None:
-        counter = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
-    return counter
+    """The ticket counter of the current stream on `device` (see _triton.stream_counters)."""
+    return stream_counters("grpo_loss", 1, device)
 
 
 def divisor_of(options: LossOptions, num_seqs: int, num_items_in_batch) -> tuple[int, float, torch.Tensor | None]:
@@ -65,14 +59,14 @@ def divisor_of(options: LossOptions, num_seqs: int, num_items_in_batch) -> tuple
     return 1, max(float(num_items_in_batch), 1.0), None
 
 
-_PICKS: dict = {}
-
-
 def flat(x: torch.Tensor | None) -> torch.Tensor | None:
     """An optional input as the fused kernel reads it: flat, contiguous, in its own dtype (no cast kernel)."""
     if x is None:
         return None
     return x.detach().view(-1) if x.is_contiguous() else x.detach().reshape(-1).contiguous()
+
+
+_PICKS: dict = {}
 
 
 def metric_picks(options: LossOptions, sampler: bool) -> tuple[int, ...]:

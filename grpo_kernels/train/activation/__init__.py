@@ -40,6 +40,10 @@ def apply(model, *, mode: str, tokens: int, completion_tokens: int, dtype_bytes:
     "auto": `choose_checkpointing` for micro-batches of `tokens` tokens (completions up to completion_tokens) at
     dtype_bytes per value, within budget_gb GiB (None: what `activation_budget` derives for `device`); under
     torchrun every rank takes the most frugal choice of any rank (a collective), and rank 0 logs the line."""
+    modes = ("none", "auto", *CHECKPOINT_MODES)
+    if mode not in modes:
+        raise ValueError(f"mode (model.activation_checkpointing) must be one of {', '.join(map(repr, modes))}, "
+                         f"got {mode!r}")  # fmt: skip
     blocks = decoder_blocks(model)
     chosen, count, line = mode, len(blocks), ""
     if mode == "auto":

@@ -132,10 +132,11 @@ def measure(model: str, *, group_sizes, prompts_per_step: int, repeats: int, poo
     todo = [g for g in group_sizes if str(g) not in saved["done"]]
     if not todo:
         return _from_saved(saved, group_sizes)
+    from grpo_kernels.train.build import build, make_sampler
     from grpo_kernels.train.config_io import load_config
     from grpo_kernels.train.fsdp import SINGLE
+    from grpo_kernels.train.sampling import sample_scored, seed_for
     from grpo_kernels.train.step import Policy, grpo_step, sft_warmup
-    from grpo_kernels.train.trainer import build, make_sampler, sample_scored, seed_for
 
     config = load_config(None, {"seed": seed, "model": {"name": model},
                                 "task": {"name": task, "difficulty": difficulty, "num_train_prompts": 1,

@@ -69,9 +69,10 @@ def compare(rows: list[dict], *, k: int) -> list[dict]:
 def sample_pass_rates(model: str, *, prompts: int, samples: int, sampler: str, task: str, difficulty: int,
                       temperature: float, max_new_tokens: int, seed: int) -> list[dict]:  # fmt: skip
     """Per prompt: the prompt, its answer, set A's successes and set B's outcomes (samples each)."""
+    from grpo_kernels.train.build import build, make_sampler
     from grpo_kernels.train.config_io import load_config
     from grpo_kernels.train.fsdp import SINGLE
-    from grpo_kernels.train.trainer import build, make_sampler, seed_for
+    from grpo_kernels.train.sampling import seed_for
 
     config = load_config(None, {"seed": seed, "model": {"name": model},
                                 "task": {"name": task, "difficulty": difficulty, "num_train_prompts": 1,

@@ -16,7 +16,7 @@ import torch
 
 from grpo_kernels import cli
 from grpo_kernels.train import sampler as sampler_module
-from grpo_kernels.train import trainer as trainer_module
+from grpo_kernels.train import sampling as sampling_module
 
 
 class MultinomialDraw(sampler_module.SeededSampling):
@@ -38,7 +38,7 @@ class MultinomialDraw(sampler_module.SeededSampling):
 def patch() -> None:
     """Training rollouts (`sample_scored` without a score function: evaluations score with `task.correct`) draw with
     torch.multinomial; everything else is unchanged."""
-    sample = trainer_module.sample_scored
+    sample = sampling_module.sample_scored
 
     def training_draws(sampler, tok, task, examples, g, seeds, d, *, score=None):
         MultinomialDraw.drawing = score is None
@@ -48,7 +48,7 @@ def patch() -> None:
             MultinomialDraw.drawing = False
 
     sampler_module.SeededSampling = MultinomialDraw
-    trainer_module.sample_scored = training_draws
+    sampling_module.sample_scored = training_draws
 
 
 if __name__ == "__main__":

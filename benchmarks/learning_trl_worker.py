@@ -9,7 +9,7 @@ cannot run the same way is refused in one line (`trl_refusal`). The prompts: the
 which `grpo-kernels train` takes them), given to TRL in that order with shuffle_dataset=False; the ids TRL's own
 `_tokenize_prompts` makes of them are checked against ours before training. The reward: the task's, of the text
 TRL decodes; where TRL passes the completion ids, that text is checked against our decoding of them (a mismatch
-is counted in metrics.jsonl). Held-out success: `grpo_kernels.train.trainer.evaluate` with an `HFSampler` on TRL's
+is counted in metrics.jsonl). Held-out success: `grpo_kernels.train.sampling.evaluate` with an `HFSampler` on TRL's
 model (one sampled answer per held-out prompt at the training temperature, the same seeds), before the first step
 and after every task.eval_every steps. TRL saves a checkpoint every checkpoint.every steps (the latest kept); a run
 that finds one resumes from it.
@@ -108,7 +108,7 @@ def seeded_draw(trainer, config) -> None:
     from transformers import LogitsProcessorList
 
     from grpo_kernels.train.sampler import SeededSampling, row_seed
-    from grpo_kernels.train.trainer import seed_for
+    from grpo_kernels.train.sampling import seed_for
 
     s, model = config.sampling, trainer.model
     generate, single_turn, training = model.generate, trainer._generate_single_turn, [False]
@@ -142,12 +142,13 @@ def run(run_dir: Path, overrides: list[str], draw: str = "hf", micro_rows: int |
     import trl
     from datasets import Dataset
 
+    from grpo_kernels.train.build import task_examples
     from grpo_kernels.train.config_io import load_config
     from grpo_kernels.train.hf_model import load_policy
     from grpo_kernels.train.models import resolve_model
     from grpo_kernels.train.sampler import HFSampler
+    from grpo_kernels.train.sampling import evaluate
     from grpo_kernels.train.tasks import Example, PromptStream
-    from grpo_kernels.train.trainer import evaluate, task_examples
 
     config = load_config(None, overrides)
     refusal = trl_refusal(config)

@@ -17,7 +17,7 @@ global RNG: swaps of the random streams alone). One `TrainConfig` describes the 
 train` overrides, TRL's worker (benchmarks/learning_trl_worker.py) turns the same overrides into the same TrainConfig
 and reads every TRL option from it; a setting TRL cannot run the same way is refused with one line. Prompts: the same
 stream, in the same order, for both (the trainer's `PromptStream` of the run's seed). Held-out success:
-`grpo_kernels.train.trainer.evaluate` (one answer per held-out prompt, sampled at the training temperature with fixed
+`grpo_kernels.train.sampling.evaluate` (one answer per held-out prompt, sampled at the training temperature with fixed
 seeds; `correct`, without the format bonus) on --eval-prompts prompts, before the first step and every --eval-every
 steps, for both.
 

@@ -84,7 +84,7 @@ def pair_draws(kind: str, logits: torch.Tensor, pairs: int, temperature: float, 
     wrong seeding would correlate: "rows" members j and j + 1 of a group (prompt k's seed at one step), "steps"
     member j of prompt k at steps s and s + 1, "positions" one row's two successive tokens (one generator)."""
     from grpo_kernels.train.sampler import SeededSampling, row_seed
-    from grpo_kernels.train.trainer import seed_for
+    from grpo_kernels.train.sampling import seed_for
 
     def draw(generators):
         scores = logits.expand(len(generators), -1).clone()
@@ -192,12 +192,13 @@ def main(argv=None) -> int:
                          "(no token check) or >= 2")
     if args.rounds < 1:
         raise SystemExit(f"sampler-distribution: --rounds must be >= 1, got {args.rounds}")
+    from grpo_kernels.train.build import task_examples
     from grpo_kernels.train.config_io import load_config
     from grpo_kernels.train.hf_model import load_policy
     from grpo_kernels.train.models import resolve_model
     from grpo_kernels.train.sampler import HFSampler
+    from grpo_kernels.train.sampling import seed_for
     from grpo_kernels.train.tasks import PromptStream
-    from grpo_kernels.train.trainer import seed_for, task_examples
 
     config = load_config(None, [f"--model.name={args.model}", f"--task.name={args.task}",
                                 f"--task.difficulty={args.difficulty}", f"--seed={args.seed}"])  # fmt: skip

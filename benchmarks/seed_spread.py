@@ -8,8 +8,8 @@ One held-out evaluation (the trainer's own, at its end) per seed. The report say
 before and after and the machine it ran on (CPU model, torch's CPU capability, whether this package's AVX-512 paths
 ran), and over the seeds the mean with its 95 % t-interval and min..max: `held-out 0.89 (0.84..0.93 over 5 seeds)`.
 That spread, not the `±` the trainer prints (one evaluation's binomial error), is how reproducible the recipe is.
---no-simd turns this package's AVX-512 C++ paths off in every run (grpo_kernels._C.set_cpu_simd / set_logprobs_simd
-/ set_loss_simd(False)); ATEN_CPU_CAPABILITY=avx2 in the environment sends torch's own kernels down their AVX2 paths.
+--no-simd turns this package's AVX-512 C++ paths off in every run (`grpo_kernels.cpu.simd(False)`);
+ATEN_CPU_CAPABILITY=avx2 in the environment sends torch's own kernels down their AVX2 paths.
 With --cpus, as many runs at once as CPUs are named, each pinned to its CPU with one thread.
 
 Writes into --out (default benchmarks/results/seed_spread/<config name>): runs/seed<k>/ (eval.jsonl,
@@ -31,16 +31,15 @@ COLUMNS = ["seed", "eval_start", "eval_end", "steps", "seconds", "cpu_model", "t
 RUN_FILES = ("eval.jsonl", "summary.json", "config.toml", "machine.json")  # metrics.jsonl (~0.6 MB) stays in --workdir
 # The train CLI in a child process, after recording the machine and (--no-simd) turning this package's SIMD off.
 CHILD = """import json, sys, torch
-import grpo_kernels._C as C
+from grpo_kernels import cpu
 from benchmarks.common import device_name
 run_dir, simd, argv = sys.argv[1], sys.argv[2] == "on", sys.argv[3:]
-for name in ("set_cpu_simd", "set_logprobs_simd", "set_loss_simd"):
-    getattr(C, name)(simd)
+cpu.simd(simd)
 from pathlib import Path
 Path(run_dir).mkdir(parents=True, exist_ok=True)
 (Path(run_dir) / "machine.json").write_text(json.dumps({"cpu_model": device_name("cpu"),
     "torch_capability": torch.backends.cpu.get_cpu_capability(),
-    "package_simd": bool(C.cpu_simd() and C.logprobs_simd() and C.loss_simd())}))
+    "package_simd": cpu.simd_enabled()}))
 from grpo_kernels.cli import main
 main(["train", *argv])
 """

@@ -7,7 +7,7 @@ smollm2-135m: the learning-vs-TRL run's task and settings, from the instruct mod
 hidden states and LM head go through the fused log-prob and loss ops ("dapo", on-policy) by
 
 - the C++ row kernels with this package's AVX-512 paths on (`impl="cpp"`, the default on CPU),
-- the same kernels with them off (`grpo_kernels._C.set_cpu_simd / set_logprobs_simd / set_loss_simd(False)`),
+- the same kernels with them off (`grpo_kernels.cpu.simd(False)`),
 - the naive eager path (`impl="reference"`: full logits, log-softmax, the reference loss), in float32,
 
 and each is compared with the naive path in float64 (the truth): the largest error relative to the largest value of
@@ -21,15 +21,13 @@ import argparse
 import sys
 from pathlib import Path
 
-import grpo_kernels._C as C
 import torch
 
 from benchmarks.common import ROOT, device_name
-from grpo_kernels import reference
+from grpo_kernels import cpu, reference
 from grpo_kernels.advantages import group_advantages
 from grpo_kernels.fused_linear import fused_linear_grpo_loss, fused_linear_logprobs
 
-SWITCHES = ("set_cpu_simd", "set_logprobs_simd", "set_loss_simd")
 RUNS = {
     "tiny": ["--config-file", str(ROOT / "examples" / "train_tiny_cpu.toml")],
     "smollm2-135m": ["--model.name=smollm2-135m", "--task.name=arith", "--task.difficulty=2",
@@ -37,17 +35,13 @@ RUNS = {
 }  # fmt: skip
 
 
-def simd(on: bool) -> None:
-    for name in SWITCHES:
-        getattr(C, name)(on)
-
-
 def batch(model_name: str, seed: int = 0):
     """(hidden [T, H], head [V, H], completion ids [T], cu_seqlens, rewards [N], G, temperature) of one rollout."""
     from grpo_kernels.packing import pack_sequences
-    from grpo_kernels.train import trainer as T
+    from grpo_kernels.train.build import build
     from grpo_kernels.train.config_io import load_config
     from grpo_kernels.train.sampler import HFSampler
+    from grpo_kernels.train.sampling import seed_for
     from grpo_kernels.train.step import sft_warmup
     from grpo_kernels.train.tasks import PromptStream
 
@@ -55,7 +49,7 @@ def batch(model_name: str, seed: int = 0):
     path = Path(args[1]) if args[0] == "--config-file" else None
     config = load_config(path, [f"--seed={seed}", *(args if path is None else [])])
     torch.manual_seed(seed)
-    tok, task, train_set, _, model = T.build(config)
+    tok, task, train_set, _, model = build(config)
     if config.task.sft_warmup_steps:
         sft_warmup(model, tok, task, steps=config.task.sft_warmup_steps, seed=seed)
     s, g = config.sampling, 8
@@ -63,7 +57,7 @@ def batch(model_name: str, seed: int = 0):
                         max_new_tokens=s.max_new_tokens, temperature=s.temperature)  # fmt: skip
     examples = PromptStream(train_set, seed).take(16)
     rollout = sampler.sample([tok.encode_prompt(e.prompt) for e in examples], g,
-                             seeds=[T.seed_for(seed, 0, 0, k) for k in range(len(examples))])  # fmt: skip
+                             seeds=[seed_for(seed, 0, 0, k) for k in range(len(examples))])  # fmt: skip
     rewards = [task.reward(tok.decode(c), examples[k]) for k, c in zip(rollout.group_ids, rollout.completion_ids,
                                                                        strict=True)]  # fmt: skip
     packed = pack_sequences(rollout.prompt_ids, rollout.completion_ids)
@@ -102,7 +96,7 @@ def main(argv=None) -> int:
     bad = [m for m in args.models.split(",") if m not in RUNS]
     if bad:
         raise SystemExit(f"simd-accuracy: unknown --models {', '.join(bad)} (known: {', '.join(RUNS)})")
-    if not (C.cpu_simd() and C.logprobs_simd() and C.loss_simd()):
+    if not cpu.simd_enabled():
         raise SystemExit("simd-accuracy: this CPU has no AVX-512: there is only one C++ path to measure")
     lines = ["# This package's CPU paths against float64 on a real training batch", "",
              f"Command: `python -m benchmarks.simd_accuracy --models {args.models}` on {device_name('cpu')}, torch "
@@ -116,13 +110,13 @@ def main(argv=None) -> int:
         truth = run_ops(h.double(), w.double(), ids, cu, adv64, temperature, "reference")
         for label, impl, on in (("C++ AVX-512 on", "cpp", True), ("C++ AVX-512 off", "cpp", False),
                                 ("eager float32", "reference", True)):  # fmt: skip
-            simd(on)
+            cpu.simd(on)
             try:
                 adv = group_advantages(rewards.float(), group_size=g).advantages if impl == "cpp" else adv64.float()
                 e = errors(run_ops(h.float(), w.float(), ids, cu, adv, temperature, impl), truth)
                 a = ((adv.double() - adv64).abs().max() / adv64.abs().max()).item() if impl == "cpp" else float("nan")
             finally:
-                simd(True)
+                cpu.simd(True)
             lines.append(f"| {name} | {ids.numel()} | {label} | {e['logps']:.2e} | {e['loss']:.2e} | "
                          f"{e['d_hidden']:.2e} | {e['d_head']:.2e} | {e['d_hidden_scale_bias']:+.1e} | "
                          f"{e['d_head_scale_bias']:+.1e} | {a:.2e} |")  # fmt: skip

@@ -167,9 +167,9 @@ def serve_rollout(args: argparse.Namespace) -> None:
         check_port_free(args.host, args.port)
     model_dir, max_model_len = args.model, None
     if args.config:
+        from .train.build import build
         from .train.config import for_device
         from .train.config_io import load_config
-        from .train.trainer import build
         from .train.vllm_sampler import save_hf_model
 
         config = for_device(load_config(args.config), "cuda" if torch.cuda.is_available() else "cpu")

@@ -97,9 +97,9 @@ def test_seeded_draws_are_independent_across_rows_steps_and_positions(kind, monk
     if kind == "rows":
         monkeypatch.setattr(sampler, "row_seed", lambda seed, member: sampler.splitmix64(seed))
     elif kind == "steps":
-        import grpo_kernels.train.trainer as trainer
+        import grpo_kernels.train.sampling as sampling
 
-        monkeypatch.setattr(trainer, "seed_for", lambda seed, step, rounds, k: sampler.splitmix64(seed * 1000 + k))
+        monkeypatch.setattr(sampling, "seed_for", lambda seed, step, rounds, k: sampler.splitmix64(seed * 1000 + k))
     else:
         draw = sampler.SeededSampling.__call__
 

@@ -120,3 +120,70 @@ def test_the_floors_hold():
         if module.startswith("grpo_kernels.train") and module not in top:
             broken += [(module, d) for d in deps & top]
     assert not broken, f"{FLOORS}; broken by {broken}"
+
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 500, 120
+
+
+def _is_kernel(node) -> bool:
+    return any(ast.unparse(d).split("(")[0] in ("triton.jit", "jit") for d in node.decorator_list)
+
+
+def long_code(path: Path) -> list[str]:
+    """What in one file breaks the size rules: the file over MAX_MODULE_LINES, a function (method, nested function)
+    over MAX_FUNCTION_LINES; Triton kernels are exempt (one launch is one function)."""
+    text = path.read_text()
+    out = [f"{path.name}: {len(text.splitlines())} lines"] if len(text.splitlines()) > MAX_MODULE_LINES else []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _is_kernel(node):
+            lines = node.end_lineno - node.lineno + 1
+            if lines > MAX_FUNCTION_LINES:
+                out.append(f"{path.name}:{node.lineno} {node.name}: {lines} lines")
+    return out
+
+
+def test_no_module_of_the_package_over_500_lines_and_no_function_over_120():
+    broken = [b for path in sorted((ROOT / "grpo_kernels").rglob("*.py")) for b in long_code(path)]
+    assert not broken, broken
+
+
+def test_the_size_rule_finds_a_long_function_but_not_a_long_kernel(tmp_path):
+    body = "".join(f"    x = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    path = tmp_path / "m.py"
+    path.write_text(f"import triton\n\n@triton.jit\ndef kernel():\n{body}\n\ndef host():\n{body}")
+    assert long_code(path) == [f"m.py:{MAX_FUNCTION_LINES + 7} host: {MAX_FUNCTION_LINES + 1} lines"]
+
+
+def private_reaches(path: Path) -> list[str]:
+    """Where a file imports a private name or module of grpo_kernels, or reaches one (`module._name`) through a name
+    it imported from the package."""
+    tree, bound, out = ast.parse(path.read_text()), set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "grpo_kernels":
+                    bound.add(a.asname or a.name.split(".")[0])
+                    out += [f"{path.name}:{node.lineno} import {a.name}"] if "._" in a.name else []
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "grpo_kernels":
+            for a in node.names:
+                bound.add(a.asname or a.name)
+                if "._" in node.module or a.name.startswith("_"):
+                    out.append(f"{path.name}:{node.lineno} from {node.module} import {a.name}")
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name) and node.value.id in bound):  # fmt: skip
+            out.append(f"{path.name}:{node.lineno} {node.value.id}.{node.attr}")
+    return out
+
+
+def test_no_benchmark_imports_or_reaches_a_private_name_of_the_package():
+    broken = [b for path in sorted((ROOT / "benchmarks").rglob("*.py")) for b in private_reaches(path)]
+    assert not broken, broken
+
+
+def test_the_private_name_finder_finds_each_kind(tmp_path):
+    path = tmp_path / "b.py"
+    path.write_text("import grpo_kernels._C as C\nfrom grpo_kernels.train import trainer\n"
+                    "from grpo_kernels.train.trainer import _run, train\ntrainer._progress(1)\ntrain.__doc__\n")
+    assert private_reaches(path) == ["b.py:1 import grpo_kernels._C", "b.py:3 from grpo_kernels.train.trainer import "
+                                     "_run", "b.py:4 trainer._progress"]  # fmt: skip

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from grpo_kernels.train import build as build_module
+from grpo_kernels.train import sampling as sampling_module
 from grpo_kernels.train import trainer as trainer_module
 from grpo_kernels.train.config_io import load_config
 from grpo_kernels.train.tasks import PromptStream
@@ -44,20 +46,20 @@ def test_quick_run_trains_both_and_evaluates_them_with_the_same_code(tmp_path):
 
 
 def test_the_prompts_given_to_trl_are_the_ones_the_trainer_trains_on(tmp_path, monkeypatch):
-    seen, sample = [], trainer_module.sample_scored
+    seen, sample = [], sampling_module.sample_scored
 
     def recording(sampler, tok, task, examples, g, seeds, d, *, score=None):
         if score is None:  # a training batch (evaluations score with task.correct)
             seen.extend(examples)
         return sample(sampler, tok, task, examples, g, seeds, d, score=score)
 
-    monkeypatch.setattr(trainer_module, "sample_scored", recording)
+    monkeypatch.setattr(sampling_module, "sample_scored", recording)
     config = load_config(None, ["--seed=3", "--task.name=add", "--task.num_train_prompts=10",
                                 "--sampling.prompts_per_step=4", "--sampling.group_size=2", "--optim.steps=4",
                                 "--task.num_eval_prompts=0", "--checkpoint.every=0",
                                 f"--logging.run_dir={tmp_path}"])  # fmt: skip
     trainer_module.train(config, log=lambda *a, **k: None)
-    _, train_set, _ = trainer_module.task_examples(config)
+    _, train_set, _ = build_module.task_examples(config)
     assert len(seen) == 16  # 4 steps x 4 prompts: more than one epoch of 10, so the reshuffle counts too
     assert seen == PromptStream(train_set, 3).take(16)
 
@@ -136,7 +138,7 @@ def test_trl_with_our_draw_samples_the_completions_our_trainer_samples(tmp_path,
     monkeypatch.setattr(learning_trl_worker, "seeded_draw", recording_draw)
     learning_trl_worker.run(tmp_path / "trl", learning_vs_trl.overrides(args, "trl_ourdraw", "dapo", 0,
                                                                         tmp_path / "trl"), draw="ours")  # fmt: skip
-    sample = trainer_module.sample_scored
+    sample = sampling_module.sample_scored
 
     def recording(sampler, tok, task, examples, g, seeds, d, *, score=None):
         rollout = sample(sampler, tok, task, examples, g, seeds, d, score=score)
@@ -144,7 +146,7 @@ def test_trl_with_our_draw_samples_the_completions_our_trainer_samples(tmp_path,
             ours.extend([c.tolist() for c in rollout.completion_ids])
         return rollout
 
-    monkeypatch.setattr(trainer_module, "sample_scored", recording)
+    monkeypatch.setattr(sampling_module, "sample_scored", recording)
     config = load_config(None, learning_vs_trl.overrides(args, "grpo_kernels", "dapo", 0, tmp_path / "ours"))
     trainer_module.train(config, log=lambda *a, **k: None)
     assert len(ours) == 8 and len({tuple(c) for c in ours}) > 1  # 2 prompts x G = 4, not all alike
@@ -164,22 +166,22 @@ def test_our_trainer_with_hfs_draw_changes_the_training_draw_alone(tmp_path, mon
     args = types.SimpleNamespace(**{**learning_vs_trl.QUICK, "steps": 1, "format_weight": None})
     args.model = str(learning_vs_trl.quick_model(tmp_path))
     monkeypatch.setattr(sampler_module, "SeededSampling", sampler_module.SeededSampling)  # restored afterwards
-    monkeypatch.setattr(trainer_module, "sample_scored", trainer_module.sample_scored)
+    monkeypatch.setattr(sampling_module, "sample_scored", sampling_module.sample_scored)
 
     def run(name, patched):
         if patched:
             learning_hfdraw_worker.patch()
-        seen, held_out, sample = [], [], trainer_module.sample_scored
+        seen, held_out, sample = [], [], sampling_module.sample_scored
 
         def recording(sampler, tok, task, examples, g, seeds, d, *, score=None):
             rollout = sample(sampler, tok, task, examples, g, seeds, d, score=score)
             (seen if score is None else held_out).extend(c.tolist() for c in rollout.completion_ids)
             return rollout
 
-        monkeypatch.setattr(trainer_module, "sample_scored", recording)
+        monkeypatch.setattr(sampling_module, "sample_scored", recording)
         config = load_config(None, learning_vs_trl.overrides(args, "grpo_kernels", "dapo", 0, tmp_path / name))
         trainer_module.train(config, log=lambda *a, **k: None)
-        monkeypatch.setattr(trainer_module, "sample_scored", sample)
+        monkeypatch.setattr(sampling_module, "sample_scored", sample)
         return seen, held_out
 
     seeded, seeded_eval = run("seeded", False)
@@ -201,14 +203,14 @@ def test_trl_in_micro_batches_makes_the_whole_steps_update(tmp_path, monkeypatch
 
     from benchmarks import learning_trl_worker
 
-    task_examples = trainer_module.task_examples
+    task_examples = build_module.task_examples
 
     def graded(config):
         task, train_set, eval_set = task_examples(config)
         task.reward = lambda text, example: (len(text) % 3) / 2
         return task, train_set, eval_set
 
-    monkeypatch.setattr(trainer_module, "task_examples", graded)
+    monkeypatch.setattr(build_module, "task_examples", graded)
 
     args = types.SimpleNamespace(**{**learning_vs_trl.QUICK, "steps": 1, "format_weight": None})
     args.model = str(learning_vs_trl.quick_model(tmp_path))

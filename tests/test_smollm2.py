@@ -18,10 +18,10 @@ import torch
 from grpo_kernels import cli
 from grpo_kernels.packing import pack_sequences
 from grpo_kernels.train import models
+from grpo_kernels.train.build import build
 from grpo_kernels.train.config_io import load_config
 from grpo_kernels.train.hf_model import load_policy
 from grpo_kernels.train.step import completion_logprobs
-from grpo_kernels.train.trainer import build
 
 pytestmark = pytest.mark.slow
 NAME = "smollm2-135m"

@@ -179,10 +179,10 @@ def test_a_run_dir_the_system_refuses_is_one_error_line_even_for_root(run_dir):
 
 def test_a_missing_run_dir_is_probed_and_left_as_it_was(tmp_path, monkeypatch):
     """The start-up probe creates the missing directories and removes them again (here the run then fails)."""
-    from grpo_kernels.train import trainer
+    from grpo_kernels.train import run_files
 
-    probed, real = [], trainer._try_writing
-    monkeypatch.setattr(trainer, "_try_writing", lambda *a: probed.append(a[0]) or real(*a))
+    probed, real = [], run_files._try_writing
+    monkeypatch.setattr(run_files, "_try_writing", lambda *a: probed.append(a[0]) or real(*a))
     with pytest.raises(SystemExit, match="model path /nonexistent/m does not exist"):
         main(["train", f"--logging.run_dir={tmp_path / 'a' / 'b'}", "--optim.steps=1", "--model.name=/nonexistent/m"])
     assert probed == [tmp_path / "a" / "b"] and list(tmp_path.iterdir()) == []
@@ -201,11 +201,11 @@ def test_nccl_backend_without_cuda_is_refused_in_a_single_process_too(tmp_path):
 def test_an_error_mid_run_closes_every_log_file_and_tracker(tmp_path, monkeypatch):
     """The run's resources are closed on every exit path: a step that raises leaves no log file open and the
     trackers closed (a W&B run finished), with the first step's metrics line on disk."""
-    from grpo_kernels.train import trainer
+    from grpo_kernels.train import run_files, tracking, trainer
 
     opened, closed, steps = [], [], []
-    log_file = trainer._log_file
-    monkeypatch.setattr(trainer, "_log_file", lambda path, kept: opened.append(log_file(path, kept)) or opened[-1])
+    log_file = run_files.log_file
+    monkeypatch.setattr(run_files, "log_file", lambda path, kept: opened.append(log_file(path, kept)) or opened[-1])
 
     class FakeTrackers:
         def log(self, *a, **k):
@@ -217,7 +217,7 @@ def test_an_error_mid_run_closes_every_log_file_and_tracker(tmp_path, monkeypatc
         def close(self):
             closed.append("trackers")
 
-    monkeypatch.setattr(trainer.Trackers, "start", staticmethod(lambda *a, **k: FakeTrackers()))
+    monkeypatch.setattr(tracking.Trackers, "start", staticmethod(lambda *a, **k: FakeTrackers()))
     step = trainer.grpo_step
 
     def failing_step(*args, **kwargs):

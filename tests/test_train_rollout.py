@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from grpo_kernels import group_advantages
-from grpo_kernels.train import trainer
+from grpo_kernels.train import sampling
 from grpo_kernels.train.config_io import load_config
 from grpo_kernels.train.fsdp import SINGLE, Dist
 from grpo_kernels.train.rollout import Rollout
@@ -127,7 +127,7 @@ def test_dynamic_sampling_keeps_groups_0_and_2_then_fills_the_batch_from_the_nex
     examples = iter([Example(prompt=str(k), answer="") for k in range(5)])
     config = load_config(None, ["--sampling.prompts_per_step=3", "--group_size.dynamic_sampling=true",
                                 "--group_size.max_resample_rounds=2"])  # fmt: skip
-    out, sampled, rounds, tokens = trainer.collect(config, _Sampler(), _Tok(), _Task(),
+    out, sampled, rounds, tokens = sampling.collect(config, _Sampler(), _Tok(), _Task(),
                                             lambda n: [next(examples) for _ in range(n)], 0, G, SINGLE)  # fmt: skip
     assert sampled == 4 and rounds == 1  # round 0: 3 prompts, 2 kept; round 1: 1 prompt, kept
     assert tokens == 4 * G * 2  # the tokens of every sampled completion (2 each), the dropped group's too
@@ -139,7 +139,7 @@ def test_dynamic_sampling_keeps_groups_0_and_2_then_fills_the_batch_from_the_nex
 
 def test_two_ranks_gather_the_same_rollout_as_one(monkeypatch):
     examples = [Example(prompt=str(k), answer="") for k in range(5)]
-    one = trainer.sample_scored(_Sampler(), _Tok(), _Task(), examples, G, list(range(5)), SINGLE)
+    one = sampling.sample_scored(_Sampler(), _Tok(), _Task(), examples, G, list(range(5)), SINGLE)
     sent = {}
 
     class Sent(Exception):
@@ -150,13 +150,13 @@ def test_two_ranks_gather_the_same_rollout_as_one(monkeypatch):
         raise Sent
 
     ranks = [Dist(rank=r, world=2, distributed=True) for r in (0, 1)]
-    monkeypatch.setattr(trainer, "all_gather_objects", send)
+    monkeypatch.setattr(sampling, "all_gather_objects", send)
     for d in ranks:
         with pytest.raises(Sent):
-            trainer.sample_scored(_Sampler(), _Tok(), _Task(), examples, G, list(range(5)), d)
+            sampling.sample_scored(_Sampler(), _Tok(), _Task(), examples, G, list(range(5)), d)
     assert sent[0][0] == [0, 2, 4] and sent[1][0] == [1, 3] and sent[1][1].group_ids == [0] * G + [1] * G
-    monkeypatch.setattr(trainer, "all_gather_objects", lambda obj, d: [sent[0], sent[1]])
+    monkeypatch.setattr(sampling, "all_gather_objects", lambda obj, d: [sent[0], sent[1]])
     for d in ranks:
-        two = trainer.sample_scored(_Sampler(), _Tok(), _Task(), examples, G, list(range(5)), d)
+        two = sampling.sample_scored(_Sampler(), _Tok(), _Task(), examples, G, list(range(5)), d)
         assert members(two) == members(one) and torch.equal(two.rewards, one.rewards)
         assert_same_advantages(two.advantages, one.advantages)

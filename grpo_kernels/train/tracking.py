@@ -1,9 +1,9 @@
 """Experiment tracking as TRL users know it: `logging.report_to = ["tensorboard", "wandb", "trackio"]` (or "all":
 those installed).
 
-    trackers = Trackers.start(config, run_dir, resume=False)   # on the main rank; None when report_to is empty
-    trackers.log(step_metrics, step)                            # every metrics line
-    trackers.log_eval(eval_row, step)                           # every held-out evaluation
+    trackers = Trackers.start(run_dir, report_to, settings=to_dict(config), project="grpo-kernels")  # None: none named
+    trackers.log(step_metrics, step)       # every metrics line (main rank)
+    trackers.log_eval(eval_row, step)      # every held-out evaluation
     trackers.close()
 
 What a TRL user sees in TensorBoard, W&B or Trackio after `GRPOTrainer(..., report_to=...)` is what transformers'
@@ -103,17 +103,18 @@ class Trackers:
         self.writer = self.wandb_run = self.trackio = None
 
     @classmethod
-    def start(cls, config, run_dir, *, resume: bool) -> "Trackers | None":
-        names = config.logging.report_to
+    def start(cls, run_dir, report_to, *, settings: dict, project: str, run_name: str | None = None,
+              resume: bool = False) -> "Trackers | None":  # fmt: skip
+        """The trackers report_to names (None when it is empty), logging settings (a plain dict: the run's config)
+        as the run config, under project and run_name (default: the run directory's name). resume: continue the
+        W&B / Trackio run whose id <run_dir>/tracking.json kept."""
+        names = report_to
         if not names:
             return None
-        from .config_io import to_dict
-
         self = cls(run_dir)
-        settings, state_path = to_dict(config), self.run_dir / "tracking.json"
+        state_path = self.run_dir / "tracking.json"
         state = json.loads(state_path.read_text()) if resume and state_path.exists() else {}
-        run_name = config.logging.run_name or self.run_dir.resolve().name
-        project = config.logging.project
+        run_name = run_name or self.run_dir.resolve().name
         if "tensorboard" in names:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -106,23 +106,25 @@ def read_csv(path: Path) -> list:
         return list(csv.DictReader(f))
 
 
-def write_csv(rows: list, path: Path, columns: list) -> None:
-    """Write rows (dicts; missing columns empty) to the CSV at path, replacing it: a stage's whole table, rewritten
-    after each row so that a run stopped at its time limit keeps what it measured."""
+def write_csv(rows: list, path: Path, columns: list, *, extra: str = "raise") -> None:
+    """Write rows (dicts; missing columns empty) to the CSV at path, replacing it (a stage's whole table, rewritten
+    after each row, so that a run stopped at its time limit keeps what it measured). extra="ignore": a row's keys
+    outside columns are left out (by default they are an error)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction=extra)
         writer.writeheader()
         writer.writerows(rows)
 
 
-def append_csv(rows: list, path: Path, columns: list) -> None:
-    """Append rows to the CSV at path, writing the header first if the file is new or empty."""
+def append_csv(rows: list, path: Path, columns: list, *, extra: str = "raise") -> None:
+    """Append rows to the CSV at path, writing the header first if the file is new or empty (extra: as write_csv)."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists() or path.stat().st_size == 0
     with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction=extra)
         if new:
             writer.writeheader()
         writer.writerows(rows)

@@ -6,9 +6,9 @@
 `make bench` (benchmarks.run, full mode) calls it at the end. Sources, all under benchmarks/results/:
 - cpu.csv (and cuda.csv once measured), written by benchmarks.run: for every (op, case, shape, provider) the latest
   row, so a partial rerun (--only) replaces only its own rows. TABLES says which rows each table of the page shows.
-- e2e_cpu.csv (benchmarks/e2e_vs_trl.py): the rows of its latest run; e2e_<model>_cpu.csv (--model): the same.
+- e2e_cpu.csv (benchmarks/trainer/e2e_vs_trl.py): the rows of its latest run; e2e_<model>_cpu.csv (--model): the same.
 - group_size_study/runs.csv (grpo-kernels group-size-study), plus the theory figures computed here.
-- gpu_check_<device>.csv (benchmarks/gpu_check.py on a GPU), when one exists.
+- gpu_check_<device>.csv (benchmarks/gpu/check.py on a GPU), when one exists.
 Every number in the section comes from these files; the prose around the tables states no measured number.
 A table whose rows are missing from the results is an error, not an empty table.
 """
@@ -165,7 +165,7 @@ def e2e_section(path: Path, *, model: str | None = None) -> list:
     run = [r for r in rows if r["timestamp"] == rows[-1]["timestamp"]]
     r0 = run[0]
     names = {"trl": "TRL `GRPOTrainer`", "fused_trl": "`FusedGRPOTrainer`", "grpo_kernels": "`grpo-kernels train`"}
-    command = ".venv/bin/python benchmarks/e2e_vs_trl.py" + (f" --model {model}" if model else "")
+    command = ".venv/bin/python benchmarks/trainer/e2e_vs_trl.py" + (f" --model {model}" if model else "")
     what = f"{model}, task arith" if model else "tiny Qwen2"
     lines = [f"**End to end** (`{command}`; {provenance(run)}; {r0['device']}, "
              f"torch {r0['torch']}, TRL {r0['trl']}): {what}, G = {r0['group_size']}, {r0['prompts_per_step']} "
@@ -241,7 +241,7 @@ def study_section(results: Path) -> list:
 
 def learning_vs_trl_section(results: Path, name: str = "learning_vs_trl",
                             title: str = "the same run in trl.GRPOTrainer and here") -> list:  # fmt: skip
-    """The same run in TRL and here (benchmarks/learning_vs_trl.py), from its own report and the reading beside it."""
+    """The same run in TRL and here (benchmarks/learning/vs_trl.py), from its own report and the reading beside it."""
     md = results / name / "summary.md"
     if not md.exists():
         return []
@@ -257,7 +257,7 @@ def learning_vs_trl_section(results: Path, name: str = "learning_vs_trl",
 
 
 def profile_section(results: Path) -> list:
-    """Where a long-chain step's time goes (benchmarks/long_chains_profile.py), from its own report and the reading
+    """Where a long-chain step's time goes (benchmarks/long_chains/profile_step.py), from its own report and the reading
     beside it."""
     lines = []
     for md in sorted((results / "long_chains").glob("profile_*.md")):
@@ -277,7 +277,7 @@ def gpu_section(paths: list) -> list:
     if not paths:
         return ["**GPU:** no numbers yet. No GPU has been available to this project; the Triton kernels are checked "
                 "in the Triton interpreter and compiled ahead of time for sm_90a. On an H100/H200, "
-                "`python setup.py build_ext --inplace && python benchmarks/gpu_check.py` checks every CUDA path "
+                "`python setup.py build_ext --inplace && python benchmarks/gpu/check.py` checks every CUDA path "
                 "against the reference, times it against its baselines and writes "
                 "`benchmarks/results/gpu_check_<device>.csv`, which this section then shows.", ""]  # fmt: skip
     lines = []
@@ -285,7 +285,7 @@ def gpu_section(paths: list) -> list:
         rows = read_csv(path)
         checks = [r for r in rows if r["kind"] == "check"]
         ok = sum(r["ok"] == "True" for r in checks)
-        lines += [f"**{path.stem.removeprefix('gpu_check_').replace('_', ' ')}** (`python benchmarks/gpu_check.py`, "
+        lines += [f"**{path.stem.removeprefix('gpu_check_').replace('_', ' ')}** (`python benchmarks/gpu/check.py`, "
                   f"`benchmarks/results/{path.name}`): {ok} of {len(checks)} checks against the reference pass.", "",
                   "| op | shape | provider | value | rate | speed-up vs best baseline |",
                   "|---|---|---|---:|---|---:|"]  # fmt: skip

@@ -47,10 +47,11 @@ class Benchmark:
 
     name: str
     takes_device: bool  # False: a CPU-only script (no --device option), skipped on CUDA
+    package: str = "ops"  # the benchmarks/ package that holds it
 
     @property
     def script(self) -> Path:
-        return ROOT / "benchmarks" / f"bench_{self.name}.py"
+        return ROOT / "benchmarks" / self.package / f"{self.name}.py"
 
     def common(self, r: dict) -> dict:
         """One of this script's rows in the combined columns."""
@@ -78,7 +79,7 @@ class Benchmark:
 
 BENCHMARKS = [Benchmark("advantages", True), Benchmark("logprobs", True), Benchmark("loss", True),
               Benchmark("fused_linear", True), Benchmark("packing", False), Benchmark("planner", False),
-              Benchmark("trl_dropin", False)]  # fmt: skip
+              Benchmark("trl_dropin", False, "dropins")]  # fmt: skip
 
 
 def run_benchmark(bench: Benchmark, *, device: str, quick: bool, out: Path, logs: Path) -> tuple:

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     pl = sub.add_parser("plot", help="PNGs of a training run (reward, invalid groups vs theory, throughput)")
     pl.add_argument("run_dir")
     sub.add_parser("group-size-study", add_help=False, help="invalid groups, gradient noise and reward vs G "
-                   "(benchmarks/group_size_study.py; its options: group-size-study --help)")  # fmt: skip
+                   "(benchmarks/group_size/study.py; its options: group-size-study --help)")  # fmt: skip
     args, overrides = parser.parse_known_args(argv)
     if args.command == "demo":
         if overrides:
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as exc:
             raise SystemExit(f"grpo-kernels plot: error: {exc}") from None
     elif args.command == "group-size-study":
-        _load_benchmark("group_size_study").main(overrides)
+        _load_benchmark("group_size/study").main(overrides)
 
 
 def serve_rollout(args: argparse.Namespace) -> None:
@@ -197,14 +197,15 @@ def _known_models() -> list:
 
 
 def _load_benchmark(name: str):
-    """benchmarks/<name>.py of the source checkout (the benchmarks are not part of the installed package)."""
+    """benchmarks/<name>.py (name: "package/module") of the source checkout (the benchmarks are not part of the
+    installed package)."""
     import importlib.util
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
     if not path.exists():
         raise SystemExit(f"grpo-kernels: {path} not found: this command needs a source checkout of grpo_kernels")
-    spec = importlib.util.spec_from_file_location(f"_grpo_benchmark_{name}", path)
+    spec = importlib.util.spec_from_file_location(f"_grpo_benchmark_{name.replace('/', '_')}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

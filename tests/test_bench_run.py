@@ -1,4 +1,4 @@
-"""Smoke tests of the benchmark runner (benchmarks/run.py --quick) and of benchmarks/e2e_vs_trl.py --quick.
+"""Smoke tests of the benchmark runner (benchmarks/run.py --quick) and of benchmarks/trainer/e2e_vs_trl.py --quick.
 
     .venv/bin/python -m pytest -q tests/test_bench_run.py     # ~4-5 minutes on 2 cores
 
@@ -52,8 +52,8 @@ def test_quick_runner_writes_rows_tables_and_plots(tmp_path):
 def test_e2e_vs_trl_quick_has_three_providers(tmp_path):
     before = snapshot()
     csv_path = tmp_path / "e2e.csv"
-    out = subprocess.run([sys.executable, "benchmarks/e2e_vs_trl.py", "--quick", "--csv", str(csv_path)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    out = subprocess.run([sys.executable, "benchmarks/trainer/e2e_vs_trl.py", "--quick", "--csv", str(csv_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = rows(csv_path)
     assert [r["provider"] for r in result] == ["trl", "fused_trl", "grpo_kernels"]
@@ -165,7 +165,8 @@ def test_readme_render_shows_the_latest_run_of_each_real_model_e2e_csv(tmp_path)
         row("trl", 20.0, "2026-01-02T00:00:00"), row("grpo_kernels", 8.0, "2026-01-02T00:00:00"),
     ])  # fmt: skip
     section = readme.render(tmp_path)
-    assert "benchmarks/e2e_vs_trl.py --model smollm2-135m`" in section and "smollm2-135m, task arith, G = 8" in section
+    assert "benchmarks/trainer/e2e_vs_trl.py --model smollm2-135m`" in section
+    assert "smollm2-135m, task arith, G = 8" in section
     assert "| `grpo-kernels train` | 8.000 | 4.000 | 10 | 100 | 0.40x |" in section
     assert "25.000" not in section and "tiny Qwen2" not in section  # the older run; no e2e_cpu.csv here
 
@@ -210,11 +211,11 @@ def test_render_shows_the_learning_vs_trl_study_from_its_report(tmp_path):
     assert "Learning vs TRL" not in readme.render(tmp_path)
     study = tmp_path / "learning_vs_trl"
     study.mkdir()
-    (study / "summary.md").write_text("# Learning vs TRL\n\nCommand: `python -m benchmarks.learning_vs_trl`\n\n"
+    (study / "summary.md").write_text("# Learning vs TRL\n\nCommand: `python -m benchmarks.learning.vs_trl`\n\n"
                                       "## loss dapo\n\nHeld-out success ...\n\n| after step | trl | grpo_kernels |"
                                       " verdict |\n|---:|---|---|---|\n| 4 | 0.4 ± 0.1 (3) | 0.5 ± 0.1 (3) | ok |\n")
     (study / "reading.md").write_text("Reading, by hand: they learn alike.\n")
     section = readme.render(tmp_path).split("**Learning vs TRL")[1]
-    assert "(`python -m benchmarks.learning_vs_trl`;" in section and "### loss dapo" in section
+    assert "(`python -m benchmarks.learning.vs_trl`;" in section and "### loss dapo" in section
     assert "| 4 | 0.4 ± 0.1 (3) | 0.5 ± 0.1 (3) | ok |" in section and "Held-out success ..." not in section
     assert section.index("| 4 | 0.4") < section.index("Reading, by hand: they learn alike.")

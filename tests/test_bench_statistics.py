@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from benchmarks.common import t975
-from benchmarks.sampler_distribution import (
+from benchmarks.learning.sampler_distribution import (
     chi2_sf,
     chi_square,
     independence,
@@ -45,11 +45,11 @@ def test_chi_square_passes_the_samplers_draw_and_rejects_a_wrong_temperature():
 
 
 def test_draw_swap_statistics_pair_by_seed_and_permute(tmp_path):
-    """benchmarks/draw_swap.py: differences paired by seed, a permutation test that separates shifted samples and
-    not equal ones, and the tables from run files (a seed missing from one arm is left out of the pairing)."""
+    """benchmarks/learning/draw_swap.py: differences paired by seed, a permutation test that separates shifted samples
+    and not equal ones, and the tables from run files (a seed missing from one arm is left out of the pairing)."""
     import json
 
-    from benchmarks import draw_swap
+    from benchmarks.learning import draw_swap
 
     seeds, mean, half = draw_swap.paired({0: 0.5, 1: 0.7, 2: 0.4}, {0: 0.4, 1: 0.5, 3: 0.9})
     # differences 0.1 and 0.2: sd 0.1 / sqrt(2), standard error 0.05, t quantile on 1 dof 12.7062

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py's CPU dry run: every check and timing case builds and runs at tiny shapes (C++ kernels
+"""benchmarks/gpu/check.py's CPU dry run: every check and timing case builds and runs at tiny shapes (C++ kernels
 instead of Triton), every check passes, and the CSV and the table come out, so the script is ready for a GPU."""
 
 import csv
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "check.py"
 
 
 @pytest.mark.slow
@@ -36,8 +36,7 @@ def test_without_cuda_the_full_run_refuses_clearly():
 
 
 def test_a_nan_error_fails_the_check_wherever_it_is_in_the_list():
-    sys.path.insert(0, str(SCRIPT.parent))
-    from gpu_check import _worst
+    from benchmarks.gpu.check import _worst
 
     nan = float("nan")
     assert _worst([1e-6, 2e-6]) == 2e-6
@@ -46,6 +45,6 @@ def test_a_nan_error_fails_the_check_wherever_it_is_in_the_list():
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA: the profile would run")
 def test_the_gpu_profile_imports_and_refuses_clearly_without_cuda():
-    script = SCRIPT.parent / "gpu_profile.py"
+    script = SCRIPT.parent / "profile_ops.py"
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "no CUDA device" in proc.stderr, proc.stderr[-2000:]

@@ -1,23 +1,15 @@
-"""benchmarks/group_size_gradients.py: the gradient recorder is what an optimizer would use, the SNR estimator is
+"""benchmarks/group_size/gradients.py: the gradient recorder is what an optimizer would use, the SNR estimator is
 unbiased enough to find a known signal-to-noise, and the quick path end to end (through the CLI)."""
 
 import csv
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks.group_size import gradients as gg
 from grpo_kernels import cli
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-spec = importlib.util.spec_from_file_location("group_size_gradients", BENCH / "group_size_gradients.py")
-gg = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(gg)
 
 
 def test_snr_finds_a_known_signal_to_noise():

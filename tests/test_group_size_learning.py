@@ -1,23 +1,16 @@
-"""benchmarks/group_size_learning.py (group-size-study --learning): the quick path end to end through the CLI, its
+"""benchmarks/group_size/learning.py (group-size-study --learning): the quick path end to end through the CLI, its
 accounting against the runs' own files, the report rebuilt from the CSVs alone, resuming, and bad input."""
 
 import csv
-import importlib.util
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks.group_size import learning as gl
 from grpo_kernels import cli
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-spec = importlib.util.spec_from_file_location("group_size_learning", BENCH / "group_size_learning.py")
-gl = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(gl)
 
 
 def _rows(path):
@@ -169,14 +162,14 @@ def test_adaptive_changes_report_when_g_grew_and_the_invalid_rate_around_it(tmp_
         dict(run="adaptive_seed1", step=-1, g_before=8, g_after=8, invalid_before=0.2, invalid_after="",
              all_zero_before="", all_zero_after=""),  # a run from before the split was logged
     ]  # fmt: skip
-    gl._write_csv(tmp_path / "adaptive.csv", gl.ADAPTIVE_COLUMNS, changes)  # the report reads them back from it
+    gl.write_csv(changes, tmp_path / "adaptive.csv", gl.ADAPTIVE_COLUMNS)  # the report reads them back from it
     table = "\n".join(gl.adaptive_table(gl._read_csv(tmp_path / "adaptive.csv")))
     assert "| adaptive_seed0 | 6 | 8 -> 16 | 0.68 | 0.3 | 0.5 | 0.0 |" in table
     assert "| adaptive_seed1 | - | 8 throughout | 0.2 (whole run) | - | - (whole run) | - |" in table
 
 
 def test_interval_tables_pair_by_seed_and_mark_only_resolved_differences():
-    from benchmarks.group_size_learning import interval_tables
+    from benchmarks.group_size.learning import interval_tables
 
     def run(setting, seed, steps, reached=True):
         return {"setting": setting, "seed": seed, "reached": reached, "steps": steps, "completions": 8 * steps,

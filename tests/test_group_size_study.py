@@ -1,16 +1,9 @@
-"""benchmarks/group_size_study.py: the theory table, the Monte-Carlo trends, and `--quick` end to end (via the CLI)."""
-
-import importlib.util
-from pathlib import Path
+"""benchmarks/group_size/study.py: the theory table, the Monte-Carlo trends, and `--quick` end to end (via the CLI)."""
 
 import pytest
 
+from benchmarks.group_size import study
 from grpo_kernels import cli
-
-PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "group_size_study.py"
-spec = importlib.util.spec_from_file_location("group_size_study", PATH)
-study = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(study)  # also puts benchmarks/ on sys.path, for group_size_model
 
 
 def test_theory_reproduces_the_paper_figures():
@@ -55,7 +48,7 @@ def test_quick_study_end_to_end(tmp_path, capsys):
 def test_model_study_prediction_is_unbiased_and_measurement_counts_disjoint_groups():
     import math
 
-    import group_size_model as gm
+    from benchmarks.group_size import model as gm
 
     for p in (0.0, 0.1, 0.37, 0.9):  # E over s ~ Binomial(K, p) of the estimate equals p^G + (1-p)^G exactly
         for k, g in ((8, 2), (32, 8), (32, 32)):

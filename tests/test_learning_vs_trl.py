@@ -1,4 +1,4 @@
-"""benchmarks/learning_vs_trl.py: the same run in TRL and in `grpo-kernels train`. The quick path end to end (both
+"""benchmarks/learning/vs_trl.py: the same run in TRL and in `grpo-kernels train`. The quick path end to end (both
 trainers, TRL's own prompt tokenization checked against ours inside the worker), the prompt stream both get, and the
 settings TRL cannot run, refused in one line."""
 
@@ -18,13 +18,13 @@ from grpo_kernels.train.tasks import PromptStream
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import learning_vs_trl  # noqa: E402
-from benchmarks.learning_trl_worker import trl_refusal  # noqa: E402
+from benchmarks.learning import vs_trl as learning_vs_trl  # noqa: E402
+from benchmarks.learning.trl_worker import trl_refusal  # noqa: E402
 
 
 @pytest.mark.slow
 def test_quick_run_trains_both_and_evaluates_them_with_the_same_code(tmp_path):
-    cmd = [sys.executable, "-m", "benchmarks.learning_vs_trl", "--quick", "--workdir", str(tmp_path / "work"),
+    cmd = [sys.executable, "-m", "benchmarks.learning.vs_trl", "--quick", "--workdir", str(tmp_path / "work"),
            "--results", str(tmp_path / "out")]  # fmt: skip
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -117,7 +117,7 @@ def test_trl_with_our_draw_samples_the_completions_our_trainer_samples(tmp_path,
     weights, prompts and seed, token for token; its held-out evaluation is left to the usual sampler."""
     import types
 
-    from benchmarks import learning_trl_worker
+    from benchmarks.learning import trl_worker as learning_trl_worker
 
     args = types.SimpleNamespace(**{**learning_vs_trl.QUICK, "steps": 1, "format_weight": None})
     args.model = str(learning_vs_trl.quick_model(tmp_path))
@@ -160,7 +160,7 @@ def test_our_trainer_with_hfs_draw_changes_the_training_draw_alone(tmp_path, mon
     same run twice: the same completions; not the per-row seeded draw's), the held-out evaluation is untouched."""
     import types
 
-    from benchmarks import learning_hfdraw_worker
+    from benchmarks.learning import hfdraw_worker as learning_hfdraw_worker
     from grpo_kernels.train import sampler as sampler_module
 
     args = types.SimpleNamespace(**{**learning_vs_trl.QUICK, "steps": 1, "format_weight": None})
@@ -201,7 +201,7 @@ def test_trl_in_micro_batches_makes_the_whole_steps_update(tmp_path, monkeypatch
     tiny model earns none of the task's), so that the groups carry a gradient."""
     import types
 
-    from benchmarks import learning_trl_worker
+    from benchmarks.learning import trl_worker as learning_trl_worker
 
     task_examples = build_module.task_examples
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "long_chains.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "long_chains" / "sweep.py"
 
 
 def _run(tmp_path, *extra):
@@ -60,11 +60,8 @@ def test_a_provider_over_the_memory_cap_is_recorded_not_fatal(tmp_path):
 def test_a_failed_rank_is_named_by_its_own_error_not_by_torchrun(tmp_path, how):
     # a real torchrun whose rank 1 raises or is SIGKILLed (as the kernel's OOM killer would): the row's status must say
     # what happened to the rank, not only torchrun's "ChildFailedError" (all a failed row said before)
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        from long_chains import failure_reason
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    from benchmarks.long_chains.sweep import failure_reason
+
     script = tmp_path / "rank.py"
     script.write_text("import os, signal\nif os.environ['RANK'] == '1':\n"
                       "    if os.environ['HOW'] == 'kill':\n        os.kill(os.getpid(), signal.SIGKILL)\n"
@@ -83,8 +80,7 @@ def test_a_failed_rank_is_named_by_its_own_error_not_by_torchrun(tmp_path, how):
 def test_component_model_splits_the_fitted_slopes_and_scales_them_to_the_big_models():
     """The offload / tiled-MLP model: gk_blocks - gk_tiled is the MLP's share, gk_tiled - the checkpoint floor the
     rest of a block's working set; rows below the component fit's minimum (a flat start) are left out."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    from long_chains_report import COMPONENT_MIN_TOKENS, component_model
+    from benchmarks.long_chains.report import COMPONENT_MIN_TOKENS, component_model
 
     floor, rest, mlp = 30 * 576 * 4, 6 * 576 * 4, 7 * 1536 * 4  # SmolLM2: 6 hidden- and 7 intermediate-size floats
     row = dict(status="ok", sweep="length")
@@ -104,9 +100,8 @@ def test_component_model_splits_the_fitted_slopes_and_scales_them_to_the_big_mod
 def test_pairs_report_takes_each_ratio_within_one_repeat_then_the_median_and_range_over_repeats(tmp_path):
     """long_chains_pairs_<model>.md: ours / TRL and ours / trl_rowfold per (length, repeat), from the repeat's own
     rows only; a provider missing from a repeat leaves its ratios out (a dash), not filled from another run."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    from long_chains import COLUMNS
-    from long_chains_report import COLUMNS_PAIRS, pairs_report
+    from benchmarks.long_chains.report import COLUMNS_PAIRS, pairs_report
+    from benchmarks.long_chains.sweep import COLUMNS
 
     assert set(COLUMNS_PAIRS) <= set(COLUMNS)  # what it reads, the benchmark writes
     def write(rep, rows):
@@ -136,8 +131,7 @@ def test_pairs_report_takes_each_ratio_within_one_repeat_then_the_median_and_ran
 
 
 def test_the_floor_bound_is_the_static_memory_plus_the_checkpointed_inputs_against_trls_peak():
-    sys.path.insert(0, str(SCRIPT.parent))
-    from long_chains_report import floor_bound
+    from benchmarks.long_chains.report import floor_bound
 
     point = dict(status="ok", sweep="length", group_size="8", min_len="4000", max_len="4000")
     tokens = 1500  # 30 x 576 fp32 per token: ~99 MB of block inputs
@@ -160,9 +154,8 @@ def test_the_floor_bound_is_the_static_memory_plus_the_checkpointed_inputs_again
 def test_the_memory_model_fits_trl_without_its_fold_from_the_pairs_runs_beside_the_main_csv(tmp_path):
     """report() of the main CSV adds the trl_rowfold rows of the pairs CSVs in its directory (and only those) to the
     memory model: a fitted row of its own and the note on which TRL row to set beside ours."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    from long_chains import COLUMNS
-    from long_chains_report import report
+    from benchmarks.long_chains.report import report
+    from benchmarks.long_chains.sweep import COLUMNS
 
     def write(path, rows):
         with path.open("w", newline="") as f:
@@ -186,8 +179,7 @@ def test_the_memory_model_fits_trl_without_its_fold_from_the_pairs_runs_beside_t
 
 
 def test_longest_search_doubles_then_bisects_to_five_percent():
-    sys.path.insert(0, str(SCRIPT.parent))
-    from long_chains import longest_search
+    from benchmarks.long_chains.sweep import longest_search
 
     tried = []
 
@@ -226,7 +218,7 @@ def test_trl_rowfold_folds_row_slices_with_the_same_log_probs_entropy_and_gradie
     import torch
     from trl.kernels import chunked_logprob as head
 
-    from benchmarks import long_chains_worker as worker
+    from benchmarks.long_chains import worker
 
     rows_seen = []
     def recorded(fold):  # keeps fold's signature (functools.wraps), which trl_rowfold checks
@@ -269,11 +261,11 @@ def test_trl_rowfold_folds_row_slices_with_the_same_log_probs_entropy_and_gradie
         worker.trl_rowfold()
 
 
-# benchmarks/long_chains_best.py: the realistic step at each provider's best micro-batching.
+# benchmarks/long_chains/best.py: the realistic step at each provider's best micro-batching.
 
 
 def test_best_search_stops_after_the_fastest_fitting_micro_batching():
-    from benchmarks.long_chains_best import search
+    from benchmarks.long_chains.best import search
 
     def fake(table):
         asked = []
@@ -301,7 +293,7 @@ def test_best_search_stops_after_the_fastest_fitting_micro_batching():
 
 
 def test_best_lengths_are_seeded_in_range_and_follow_their_distribution():
-    from benchmarks.long_chains_best import lengths, points
+    from benchmarks.long_chains.best import lengths, points
 
     assert {(p["prompts"], p["min_len"], p["max_len"]) for p in points(False, prompts=2, min_len=250, max_len=2000)} \
         == {(2, 250, 2000)}  # a smaller step (the options)
@@ -318,7 +310,7 @@ def test_best_lengths_are_seeded_in_range_and_follow_their_distribution():
 
 
 def test_best_report_takes_each_providers_fastest_fitting_row_against_trls(tmp_path):
-    from benchmarks.long_chains_best import COLUMNS, report
+    from benchmarks.long_chains.best import COLUMNS, report
 
     def row(provider, k, status, step_s="", peak=""):
         return {c: "" for c in COLUMNS} | dict(provider=provider, dist="loguniform", group_size=8, prompts=4, k=k,
@@ -350,12 +342,9 @@ def test_best_report_takes_each_providers_fastest_fitting_row_against_trls(tmp_p
 def test_trl_micro_batches_are_slices_of_the_padded_step_and_train_in_one_process(tmp_path):
     """One real measurement of the micro-batched TRL provider on the tiny model: 4 completions, one per micro-batch
     (per_device_train_batch_size 1, gradient accumulation over 4), each padded to the step's longest."""
-    sys.path.insert(0, str(SCRIPT.parent.parent))
-    try:
-        from benchmarks import long_chains as lc
-        from grpo_kernels.train.hf_model import write_tiny_checkpoint
-    finally:
-        sys.path.remove(str(SCRIPT.parent.parent))
+    from benchmarks.long_chains import sweep as lc
+    from grpo_kernels.train.hf_model import write_tiny_checkpoint
+
     model = str(write_tiny_checkpoint(tmp_path / "model"))
     point = dict(sweep="best", dist="loguniform", group_size=2, prompts=2, min_len=16, max_len=64)
     drawn = [64, 20, 33, 16]
@@ -367,7 +356,7 @@ def test_trl_micro_batches_are_slices_of_the_padded_step_and_train_in_one_proces
     assert row["computed_tokens"] == 4 * (prompt + 64) and row["real_tokens"] == 4 * prompt + sum(drawn)
 
 
-# benchmarks/long_chains_profile.py: where a step's time goes, by phase and kind of op.
+# benchmarks/long_chains/profile_step.py: where a step's time goes, by phase and kind of op.
 
 
 def test_profile_summary_files_its_own_ranges_under_python_not_ops():
@@ -375,7 +364,7 @@ def test_profile_summary_files_its_own_ranges_under_python_not_ops():
     (a second binding of the name once hid the ranges, and every profile counted them as ops)."""
     from types import SimpleNamespace
 
-    from benchmarks.long_chains_profile import profile_summary
+    from benchmarks.long_chains.profile_step import profile_summary
 
     def event(name, start, end, self_us):
         span = SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
@@ -395,8 +384,8 @@ def test_profile_tells_the_backwards_recompute_from_the_forward(tmp_path, mode):
 
     import torch
 
-    from benchmarks import long_chains_worker as worker
-    from benchmarks.long_chains_profile import table
+    from benchmarks.long_chains import worker
+    from benchmarks.long_chains.profile_step import table
     from grpo_kernels import fused_linear_grpo_loss
     from grpo_kernels.train.activation import checkpoint_blocks
 

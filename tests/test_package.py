@@ -101,3 +101,18 @@ def test_in_place_builds_keep_their_objects_in_the_tree(mode):
         assert Path(cmd.build_temp) == ROOT / "build" / plat
     else:
         assert cmd.build_temp == "/elsewhere/tmp"
+
+
+def test_cpu_simd_turns_all_three_ops_avx512_paths_off_and_back_on():
+    import grpo_kernels
+    from grpo_kernels import cpu
+
+    switches = (grpo_kernels._C.cpu_simd, grpo_kernels._C.logprobs_simd, grpo_kernels._C.loss_simd)
+    has_avx512 = cpu.simd_enabled()  # the suite leaves the paths on: this is whether the CPU has them
+    try:
+        cpu.simd(False)
+        assert not cpu.simd_enabled() and not any(s() for s in switches)
+        cpu.simd(True)
+        assert cpu.simd_enabled() == has_avx512 and all(s() == has_avx512 for s in switches)
+    finally:
+        cpu.simd(True)

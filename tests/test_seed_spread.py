@@ -1,4 +1,4 @@
-"""benchmarks/seed_spread.py: a recipe over seeds, the spread reported with the machine each run saw, bad input
+"""benchmarks/learning/seed_spread.py: a recipe over seeds, the spread reported with the machine each run saw, bad input
 refused before anything runs."""
 
 import json
@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import seed_spread  # noqa: E402
+from benchmarks.learning import seed_spread  # noqa: E402
 
 TINY = """seed = 0
 [task]

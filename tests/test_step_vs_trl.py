@@ -1,7 +1,7 @@
 """Our trainer's step against TRL's on the same batch: `grpo_step` (packed, shared prefix, the fused LM-head loss,
 grad clip, the optimizer) given the completions, rewards and prompts of one trl.GRPOTrainer step must make the same
 parameter update and compute the same advantages. What is left for a whole run to differ in is then the sampler's
-random stream (tests/test_learning_vs_trl.py, benchmarks/learning_vs_trl.py).
+random stream (tests/test_learning_vs_trl.py, benchmarks/learning/vs_trl.py).
 
 TRL samples with the scripted stand-in of tests/test_trl_dropin.py (a pure function of the prompts); its own code
 does the rest. SGD keeps the update proportional to the gradient."""

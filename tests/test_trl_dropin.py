@@ -474,11 +474,11 @@ def test_compute_logprobs_packed_matches_log_softmax_of_the_logits(model_dir):
 
 @pytest.mark.slow
 def test_loss_step_peak_memory_below_trl_at_32k_vocab():
-    """Each trainer in a fresh process (benchmarks/bench_trl_dropin.py --peak): only the direction is asserted."""
+    """Each trainer in a fresh process (benchmarks/dropins/trl_dropin.py --peak): only the direction is asserted."""
     peaks = {}
     for provider in ("trl", "fused"):
         spec = json.dumps(dict(provider=provider, vocab=32768, hidden=64, batch=4, prompt=16, completion=128))
-        out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_trl_dropin.py"), "--peak", spec],
+        out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "dropins" / "trl_dropin.py"), "--peak", spec],
                              capture_output=True, text=True, timeout=300)  # fmt: skip
         assert out.returncode == 0, out.stderr[-2000:]
         peaks[provider] = float(out.stdout.strip().splitlines()[-1])

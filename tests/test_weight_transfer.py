@@ -323,7 +323,7 @@ def test_server_cores_are_split_from_the_trainers(monkeypatch):
 
 
 def test_the_example_decoupled_config_loads_and_the_overlap_model_adds_up():
-    from benchmarks.decoupled_overlap import predict, summarize
+    from benchmarks.trainer.decoupled_overlap import predict, summarize
     from grpo_kernels.train.config_io import load_config
 
     s = load_config(os.path.join(os.path.dirname(__file__), "..", "examples", "train_tiny_decoupled_cpu.toml")).sampling

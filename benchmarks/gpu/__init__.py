@@ -1,6 +1,6 @@
 """Stages for a lent H100/H200 machine, each one call with its own time limit, each with a CPU dry run tested in CI
 (tests/test_gpu_stages.py): ops_limits (the ops against the hardware's limits), trainer_learns, trainer_speed,
-trl_side_by_side, trainer_resume. benchmarks/gpu_run.sh runs them."""
+trl_side_by_side, trainer_resume. benchmarks/gpu/run.sh runs them."""
 
 import argparse
 from pathlib import Path

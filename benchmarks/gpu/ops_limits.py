@@ -28,7 +28,7 @@ import torch
 import grpo_kernels
 from benchmarks.common import write_csv
 from benchmarks.gpu import stage_args
-from benchmarks.gpu_check import Env
+from benchmarks.gpu.check import Env
 from grpo_kernels import reference
 
 LOSS = dict(loss_type="dapo", beta=0.04, epsilon_high=0.28)
@@ -93,7 +93,7 @@ class Stage:
         if self.dry:
             fn()
             return 0
-        from benchmarks.gpu_profile import host_syncs
+        from benchmarks.gpu.profile_ops import host_syncs
 
         return len(host_syncs(fn))
 

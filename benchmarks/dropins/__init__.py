@@ -1,0 +1,1 @@
+"""The drop-in losses inside other trainers' own steps (TRL, verl)."""

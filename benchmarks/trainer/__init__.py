@@ -1,0 +1,1 @@
+"""This package's trainer step: against TRL's, and with decoupled rollouts."""

@@ -80,7 +80,11 @@ class _Run:
                                           threshold=gs.invalid_rate_threshold,
                                           window=gs.window) if gs.adaptive else None  # fmt: skip
         self.stream, self.first, self.elapsed = PromptStream(train_set, config.seed), 0, 0.0
-        self.loss_options = self._loss_options(train_set[0])
+        if self.decoupled:  # the servers connected, the weight stream checked on the first training example
+            example = train_set[0]
+            check = (tok.encode_prompt(example.prompt), tok.encode(example.answer, eos=True))
+            rollouts.connect(self.policy.model, check)
+        self.loss_options = self._loss_options()
         # the mismatch metric needs the old log-probs recomputed
         self.compute_old = self.loss_options.get("sampler_is_mode") is not None or self.s.sampler == "vllm"
         # cumulative over the run (eval.jsonl reports them at every evaluation): completions and their tokens
@@ -93,13 +97,13 @@ class _Run:
         self.files = self.bar = None
         self.started = 0.0
 
-    def _loss_options(self, example) -> dict:
+    def _loss_options(self) -> dict:
+        """The loss's options, plus the entropy metric, and (decoupled, stale rollouts) the sampler correction unless
+        loss.sampler_is_mode is set."""
         options = self.config.loss.kwargs()
         if self.d.sp == 1:  # the fused head's mean entropy of the completion tokens, a metric (TRL's "entropy")
             options["return_entropy"] = True
         if self.decoupled:
-            self.rollouts.connect(self.policy.model, (self.tok.encode_prompt(example.prompt),
-                                                      self.tok.encode(example.answer, eos=True)))  # fmt: skip
             if self.s.max_staleness and options.get("sampler_is_mode") is None:
                 options["sampler_is_mode"] = "token_truncate"
                 self.log(f"sampling.max_staleness = {self.s.max_staleness}: the loss corrects with the sampler's "

@@ -48,10 +48,10 @@ def test_quick_run_trains_both_and_evaluates_them_with_the_same_code(tmp_path):
 def test_the_prompts_given_to_trl_are_the_ones_the_trainer_trains_on(tmp_path, monkeypatch):
     seen, sample = [], sampling_module.sample_scored
 
-    def recording(sampler, tok, task, examples, g, seeds, d, *, score=None):
-        if score is None:  # a training batch (evaluations score with task.correct)
+    def recording(sampler, tok, task, examples, g, seeds, d, **kwargs):
+        if not kwargs.get("evaluation"):  # a training batch
             seen.extend(examples)
-        return sample(sampler, tok, task, examples, g, seeds, d, score=score)
+        return sample(sampler, tok, task, examples, g, seeds, d, **kwargs)
 
     monkeypatch.setattr(sampling_module, "sample_scored", recording)
     config = load_config(None, ["--seed=3", "--task.name=add", "--task.num_train_prompts=10",
@@ -140,9 +140,9 @@ def test_trl_with_our_draw_samples_the_completions_our_trainer_samples(tmp_path,
                                                                         tmp_path / "trl"), draw="ours")  # fmt: skip
     sample = sampling_module.sample_scored
 
-    def recording(sampler, tok, task, examples, g, seeds, d, *, score=None):
-        rollout = sample(sampler, tok, task, examples, g, seeds, d, score=score)
-        if score is None:  # the training batch
+    def recording(sampler, tok, task, examples, g, seeds, d, **kwargs):
+        rollout = sample(sampler, tok, task, examples, g, seeds, d, **kwargs)
+        if not kwargs.get("evaluation"):  # the training batch
             ours.extend([c.tolist() for c in rollout.completion_ids])
         return rollout
 
@@ -173,9 +173,9 @@ def test_our_trainer_with_hfs_draw_changes_the_training_draw_alone(tmp_path, mon
             learning_hfdraw_worker.patch()
         seen, held_out, sample = [], [], sampling_module.sample_scored
 
-        def recording(sampler, tok, task, examples, g, seeds, d, *, score=None):
-            rollout = sample(sampler, tok, task, examples, g, seeds, d, score=score)
-            (seen if score is None else held_out).extend(c.tolist() for c in rollout.completion_ids)
+        def recording(sampler, tok, task, examples, g, seeds, d, **kwargs):
+            rollout = sample(sampler, tok, task, examples, g, seeds, d, **kwargs)
+            (held_out if kwargs.get("evaluation") else seen).extend(c.tolist() for c in rollout.completion_ids)
             return rollout
 
         monkeypatch.setattr(sampling_module, "sample_scored", recording)
@@ -202,12 +202,16 @@ def test_trl_in_micro_batches_makes_the_whole_steps_update(tmp_path, monkeypatch
     import types
 
     from benchmarks.learning import trl_worker as learning_trl_worker
+    from grpo_kernels.train.rewards import RewardFunction, Rewards
 
     task_examples = build_module.task_examples
 
+    def length_mod_3(completions, **kwargs):
+        return [(len(c) % 3) / 2 for c in completions]
+
     def graded(config):
         task, train_set, eval_set = task_examples(config)
-        task.reward = lambda text, example: (len(text) % 3) / 2
+        task.rewards = Rewards([RewardFunction("length_mod_3", length_mod_3, "test")])
         return task, train_set, eval_set
 
     monkeypatch.setattr(build_module, "task_examples", graded)

@@ -8,6 +8,7 @@ from grpo_kernels import group_advantages
 from grpo_kernels.train import sampling
 from grpo_kernels.train.config_io import load_config
 from grpo_kernels.train.fsdp import SINGLE, Dist
+from grpo_kernels.train.rewards import RewardFunction, Rewards
 from grpo_kernels.train.rollout import Rollout
 from grpo_kernels.train.tasks import Example
 
@@ -117,10 +118,16 @@ class _Sampler:
 class _Task:
     table = {0: REWARDS[0], 1: REWARDS[1], 2: REWARDS[2], 3: [0.0, 0.0, 1.0], 4: [1.0, 1.0, 1.0]}
 
-    def reward(self, completion, example):
-        k, j = (int(x) for x in completion.split(","))
-        assert int(example.prompt) == k  # each completion is scored against its own group's example
-        return self.table[k][j]
+    def __init__(self):
+        self.rewards = Rewards([RewardFunction("table", self.score, "test")])
+
+    def score(self, prompts, completions, **kwargs):
+        out = []
+        for prompt, completion in zip(prompts, completions, strict=True):
+            k, j = (int(x) for x in completion.split(","))
+            assert int(prompt) == k  # each completion is scored against its own group's example
+            out.append(self.table[k][j])
+        return out
 
 
 def test_dynamic_sampling_keeps_groups_0_and_2_then_fills_the_batch_from_the_next_round():

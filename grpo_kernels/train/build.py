@@ -14,19 +14,39 @@ from .activation import decoder_blocks
 from .config import TrainConfig
 from .fsdp import Dist, shard
 from .lengths import check_model_len, kv_cache_shortfall, position_limit
+from .rewards import Rewards, load_reward_function
 from .sampler import HFSampler
 from .step import Policy
 from .tasks import CharTokenizer, make_task, tiny_model
 
-__all__ = ["build", "build_policy", "make_sampler", "task_examples"]
+__all__ = ["build", "build_policy", "make_sampler", "task_examples", "task_rewards"]
 
 
 def task_examples(config: TrainConfig):
     """(task, training examples, held-out examples) of a run: what it trains on (in `PromptStream(train,
-    config.seed)` order) and evaluates on."""
+    config.seed)` order) and evaluates on; task.rewards are the reward functions it scores with (task.reward_funcs,
+    or the task's own), loaded here: a spec that does not load is an error before any model loads."""
     t = config.task
-    task = make_task(t.name, difficulty=t.difficulty, path=t.path, reward=t.reward, format_weight=t.format_weight)
+    dataset = dict(source=t.dataset, split=t.split, eval_split=t.eval_split, prompt_column=t.prompt_column,
+                   answer_column=t.answer_column) if t.name == "dataset" else None  # fmt: skip
+    task = make_task(t.name, difficulty=t.difficulty, path=t.path, reward=t.reward, format_weight=t.format_weight,
+                     dataset=dataset)  # fmt: skip
+    task.rewards = task_rewards(config, task)
+    if hasattr(task, "split_examples"):  # a dataset: held-out examples never trained on
+        train_set, eval_set = task.split_examples(t.num_train_prompts, t.num_eval_prompts, t.seed)
+        return task, train_set, eval_set
     return task, task.examples(t.num_train_prompts, seed=t.seed), task.examples(t.num_eval_prompts, seed=t.seed + 1)
+
+
+def task_rewards(config: TrainConfig, task) -> Rewards:
+    """The run's reward functions: task.reward_funcs with their weights, or the task's own."""
+    t = config.task
+    if t.reward_funcs:
+        functions, weights = [load_reward_function(spec) for spec in t.reward_funcs], t.reward_weights
+    else:
+        functions, weights = [load_reward_function(name) for name in task.REWARDS], task.reward_weights()
+    return Rewards(functions, weights, success=t.success_reward, timeout_s=t.reward_timeout_s,
+                   processes=t.reward_processes, task_name=t.name)  # fmt: skip
 
 
 def build(config: TrainConfig):

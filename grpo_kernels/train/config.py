@@ -44,8 +44,7 @@ from ..planner import ALGORITHMS
 from .config_fields import _check, _field_types, _typed, _validate
 from .config_run import REPORT_TO, CheckpointConfig, DistributedConfig, LoggingConfig, report_to_names
 from .config_sampling import SamplingConfig
-
-TASK_NAMES = ("reverse", "add", "arith", "jsonl")
+from .config_task import TaskConfig
 
 __all__ = [  # (load_config, save_config, to_dict and describe: grpo_kernels.train.config_io)
     "REPORT_TO", "CheckpointConfig", "DistributedConfig", "GroupSizeConfig", "LoggingConfig", "LossConfig",
@@ -114,73 +113,6 @@ class ModelConfig:
             _check(self, "activation_memory_gb", 0 < gb < float("inf"), "a positive finite number of GiB or none")
         _check(self, "name", self.name != "", "a non-empty string")
         _check(self, "num_kv_heads", self.num_heads % self.num_kv_heads == 0, f"a divisor of {self.num_heads}")
-
-
-@dataclass(kw_only=True, slots=True)
-class TaskConfig:
-    section: ClassVar[str] = "task"
-
-    name: str = "reverse"
-    """The task: "reverse", "add" (built in, for the tiny model's characters), "arith" (built in, questions in English
-    for instruction-tuned models, with a format reward) or "jsonl" (prompt/answer lines from `path`)."""
-    difficulty: int = 1
-    """Difficulty of a built-in task, 1..10 (ignored by "jsonl")."""
-    path: str | None = None
-    """JSONL file of {"prompt": ..., "answer": ...} lines; required for "jsonl", not allowed otherwise."""
-    reward: str = "exact"
-    """Reward of a "jsonl" task: "exact" (stripped string match), "numeric" (the last number in the completion)
-    or "math_verify" (needs the math_verify package); the built-in tasks bring their own."""
-    format_weight: float | None = None
-    """"arith" only: the reward's bonus for a completion that is one bare integer, in [0, 1] (None = 0.2). The
-    bonus is paid for wrong bare answers too, so a policy can trade correctness for it: at 0.2, runs of SmolLM2 at
-    lr 2e-5 fall into answering bare guesses (benchmarks/results/learning_vs_trl/reading.md); 0 pays correctness
-    alone."""
-    num_train_prompts: int = 512
-    """Training prompts (a built-in task generates them; "jsonl" takes at most this many)."""
-    num_eval_prompts: int = 64
-    """Held-out prompts for evaluation (0 = no evaluation)."""
-    eval_every: int = 0
-    """Held-out evaluation every this many steps too (logged to eval.jsonl in the run directory); 0 = only
-    before and after training."""
-    target_success: float | None = None
-    """Stop training once a held-out evaluation reaches this success rate, in (0, 1] (needs eval_every); None =
-    run all optim.steps."""
-    seed: int = 0
-    """Seed of the prompt generator and of the train/eval split."""
-    sft_warmup_steps: int = 0
-    """Supervised steps on the reference answers before GRPO (0 = none)."""
-    chat_template: str = "auto"
-    """Prompts through the tokenizer's chat template: "on", "off" (plain text after a bos) or "auto" (on when the
-    tokenizer has a chat template: HF instruction-tuned models; off for the built-in character tokenizer).
-    Conversational JSONL prompts need it on."""
-    system_prompt: str | None = None
-    """A system message before every prompt (needs the chat template); None = the template's own default."""
-
-    def __post_init__(self):
-        _validate(
-            self, at_least={"num_train_prompts": 1, "num_eval_prompts": 0, "sft_warmup_steps": 0, "eval_every": 0},
-            choices={"name": TASK_NAMES, "reward": ("exact", "numeric", "math_verify"),
-                     "chat_template": ("auto", "on", "off")},
-        )  # fmt: skip
-        if self.system_prompt is not None:
-            _check(self, "system_prompt", self.chat_template != "off", 'none when task.chat_template is "off"')
-        _check(self, "difficulty", 1 <= self.difficulty <= 10, "in 1..10")
-        if self.format_weight is not None:
-            _check(self, "format_weight", self.name == "arith", 'none unless task.name is "arith" (the only task '
-                   "with a format bonus)")
-            _check(self, "format_weight", 0.0 <= self.format_weight <= 1.0, "in [0, 1] or none")
-        if self.eval_every:
-            _check(self, "eval_every", self.num_eval_prompts > 0, "0 when task.num_eval_prompts is 0")
-        if self.target_success is not None:
-            _check(self, "target_success", 0.0 < self.target_success <= 1.0, "in (0, 1] or none")
-            _check(self, "target_success", self.eval_every > 0, "none when task.eval_every is 0 (it is checked at "
-                   "the evaluations)")
-        _check(self, "seed", -(2**63) <= self.seed < 2**63, "in [-2**63, 2**63)")
-        if self.name == "jsonl":
-            _check(self, "path", self.path not in (None, ""), 'a JSONL file path when task.name is "jsonl"')
-        else:
-            _check(self, "path", self.path is None, f"none for the built-in task {self.name!r}")
-            _check(self, "reward", self.reward == "exact", f'"exact" for the built-in task {self.name!r}')
 
 
 class _LossSection:

@@ -59,7 +59,7 @@ def _typed(name: str, tp, value):
 def _describe(tp) -> str:
     inner, optional = _unwrap_optional(tp)
     if typing.get_origin(inner) is tuple and typing.get_args(inner)[1:] == (Ellipsis,):
-        text = "a list of strings"
+        text = "a list of strings" if typing.get_args(inner)[0] is str else "a list of numbers"
     elif typing.get_origin(inner) is tuple:
         text = f"a list of {len(typing.get_args(inner))} numbers"
     else:
@@ -76,7 +76,9 @@ def _parse(name: str, tp, text: str):
     if inner is str:
         return text
     if typing.get_origin(inner) is tuple and typing.get_args(inner)[1:] == (Ellipsis,):
-        return [part.strip() for part in s.strip("()[]").split(",") if part.strip()]
+        item = typing.get_args(inner)[0]
+        parts = [part.strip() for part in s.strip("()[]").split(",") if part.strip()]
+        return parts if item is str else [_parse(f"{name}[{i}]", item, p) for i, p in enumerate(parts)]
     if typing.get_origin(inner) is tuple:
         args, parts = typing.get_args(inner), s.strip("()[]").split(",")
         if len(parts) != len(args):

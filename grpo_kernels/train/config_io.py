@@ -12,6 +12,7 @@ from dataclasses import MISSING, fields
 
 from .config import TrainConfig, _sections
 from .config_fields import _field_types, _parse
+from .config_task import resolve_spec
 
 
 def _lookup(section: str, name: str | None):
@@ -76,14 +77,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
             else:
                 for name, value in table.items():
                     _lookup(key, name)
-                    values[key][name] = value
+                    values[key][name] = _resolved(key, name, value, Path(path).parent)
     for key, value in _override_items(overrides):
         section, dot, name = key.partition(".")
         tp = _lookup(section, name if dot else None)
         if isinstance(value, str):
             value = _parse(key, tp, value)
-        (values[section] if dot else top)[name if dot else section] = value
+        (values[section] if dot else top)[name if dot else section] = _resolved(section, name, value, Path.cwd())
     return TrainConfig(**top, **{name: cls(**values[name]) for name, cls in _sections().items()})
+
+
+def _resolved(section: str, name: str, value, base: Path):
+    """task.reward_funcs with relative file paths made absolute against base (the config file's folder, or the
+    working directory for an override), so that a saved config names the same files from anywhere."""
+    if section == "task" and name == "reward_funcs" and isinstance(value, (list, tuple)):
+        return [resolve_spec(v, base) if isinstance(v, str) else v for v in value]
+    return value
 
 
 def to_dict(config: TrainConfig) -> dict:

@@ -1,13 +1,17 @@
-"""The step's scored samples: the sampling seeds, G samples of every prompt spread over the ranks and scored,
-dynamic sampling's extra rounds, and the held-out evaluation (one answer per prompt, `task.correct`)."""
+"""The step's scored samples: the sampling seeds, G samples of every prompt spread over the ranks and scored by
+the task's reward functions (`task.rewards`), dynamic sampling's extra rounds, and the held-out evaluation (one
+answer per prompt: the success function's mean, and every function's)."""
 
 import math
+import warnings
+from typing import NamedTuple
 
 from .config import TrainConfig
 from .fsdp import SINGLE, Dist, all_gather_objects
 from .rollout import Rollout
 
-__all__ = ["collect", "evaluate", "sample_scored", "seed_for", "standard_error", "with_standard_error"]
+__all__ = ["HeldOut", "collect", "evaluate", "held_out", "sample_scored", "seed_for", "standard_error",
+           "with_standard_error"]  # fmt: skip
 
 
 def seed_for(*parts: int) -> int:
@@ -18,15 +22,22 @@ def seed_for(*parts: int) -> int:
     return out % 2**63
 
 
-def sample_scored(sampler, tok, task, examples, g: int, seeds: list, d: Dist, *, score=None) -> Rollout:
+def sample_scored(sampler, tok, task, examples, g: int, seeds: list, d: Dist, *, evaluation: bool = False,
+                  step: int = 0, max_steps: int = 0) -> Rollout:  # fmt: skip
     """The scored rollout of G samples of every example, group k for examples[k]: rank r samples and scores the
-    examples r, r + world, ... and every rank receives the whole result. score(completion, example): task.reward
-    unless given."""
-    score = score or task.reward
+    examples r, r + world, ... and every rank receives the whole result. Scored by task.rewards: the weighted sum
+    (NaN: unscorable), each function's values in rollout.rewards_per_func. evaluation: a held-out evaluation's
+    samples (the same scoring; samplers and benchmarks may tell them apart); step: the trainer_state's global_step
+    the reward functions see."""
     mine = list(range(d.rank, len(examples), d.world))
     r = sampler.sample([tok.encode_prompt(examples[k].prompt) for k in mine], g, seeds=[seeds[k] for k in mine])
-    part = r.with_rewards([score(tok.decode(c), examples[mine[k]]) for k, c in zip(r.group_ids, r.completion_ids,
-                                                                                   strict=True)])  # fmt: skip
+    rows = [examples[mine[k]] for k in r.group_ids]
+    texts = [tok.decode(c) for c in r.completion_ids]
+    completions = [t if isinstance(e.prompt, str) else [{"role": "assistant", "content": t}]
+                   for t, e in zip(texts, rows, strict=True)]  # fmt: skip
+    ids = [[int(t) for t in c] for c in r.completion_ids]
+    per_func = task.rewards.score(rows, completions, ids, step=step, max_steps=max_steps, record=not evaluation)
+    part = r.with_rewards(task.rewards.combine(per_func), per_func=per_func)
     gathered = all_gather_objects((mine, part), d)
     position = {k: i for i, k in enumerate(k for ks, _ in gathered for k in ks)}
     return Rollout.concat([p for _, p in gathered]).select([position[k] for k in range(len(examples))])
@@ -43,7 +54,7 @@ def collect(config: TrainConfig, sampler, tok, task, next_prompts, step: int, g:
     while True:
         batch = next_prompts(s.prompts_per_step - sum(r.num_groups for r in parts))
         seeds = [seed_for(config.seed, step, rounds, k) for k in range(len(batch))]
-        rollout = sample_scored(sampler, tok, task, batch, g, seeds, d)
+        rollout = sample_scored(sampler, tok, task, batch, g, seeds, d, step=step, max_steps=config.optim.steps)
         sampled, tokens = sampled + len(batch), tokens + sum(len(c) for c in rollout.completion_ids)
         if gs.dynamic_sampling:  # keep the groups with a gradient signal: the advantage kernel's own verdict
             rollout = rollout.select(rollout.advantages.valid.nonzero().flatten().tolist())
@@ -59,13 +70,36 @@ def collect(config: TrainConfig, sampler, tok, task, next_prompts, step: int, g:
     return rollout, sampled, rounds, tokens
 
 
-def evaluate(sampler, tok, task, examples, *, seed: int, d: Dist = SINGLE) -> float:
-    """Success rate (`task.correct`) of one sampled answer per held-out prompt."""
+class HeldOut(NamedTuple):
+    """A held-out evaluation: success (the success function's mean: NaN where it is not 0/1) and every reward
+    function's mean over the prompts it applied to."""
+
+    success: float
+    means: dict
+
+
+def held_out(sampler, tok, task, examples, *, seed: int, d: Dist = SINGLE, step: int = 0) -> HeldOut:
+    """One sampled answer per held-out prompt, scored by every reward function."""
+    names = task.rewards.names
     if not examples:
-        return float("nan")
-    rates = sample_scored(sampler, tok, task, examples, 1, [seed_for(seed, k) for k in range(len(examples))], d,
-                    score=task.correct).pass_rates()  # fmt: skip
-    return sum(rates) / len(rates)
+        return HeldOut(float("nan"), {name: float("nan") for name in names})
+    rollout = sample_scored(sampler, tok, task, examples, 1, [seed_for(seed, k) for k in range(len(examples))], d,
+                            evaluation=True, step=step)  # fmt: skip
+    per_func = rollout.rewards_per_func.reshape(len(examples), len(names))
+    means = {name: float(per_func[:, k].nanmean()) for k, name in enumerate(names)}
+    values = per_func[:, task.rewards.success]
+    scored = values[~values.isnan()]
+    if not bool(((scored == 0) | (scored == 1)).all()):
+        warnings.warn(f"held-out success: the success function {names[task.rewards.success]!r} returned values "
+                      "other than 0 and 1; success is reported as NaN (name a 0/1 function in task.success_reward)",
+                      stacklevel=2)  # fmt: skip
+        return HeldOut(float("nan"), means)
+    return HeldOut(float(scored.sum() / len(examples)) if len(scored) else float("nan"), means)
+
+
+def evaluate(sampler, tok, task, examples, *, seed: int, d: Dist = SINGLE) -> float:
+    """Success rate (the success function's mean) of one sampled answer per held-out prompt."""
+    return held_out(sampler, tok, task, examples, seed=seed, d=d).success
 
 
 def standard_error(rate: float, n: int) -> float:

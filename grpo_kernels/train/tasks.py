@@ -6,36 +6,25 @@
     jsonl     {"prompt": ..., "answer": ...} lines from a file, for real models and tokenizers; the prompt is text
               or TRL's conversational form, a list of {"role", "content"} messages
 
-Rewards are binary (1.0 for a correct answer, else 0.0; "arith" adds a format bonus): exact match after stripping
-whitespace, or numeric equality for numbers; `math_verify` is used for the JSONL task when installed and asked for.
-Everything is deterministic given a seed (`random.Random`), so a resumed run sees the same prompts.
+Each task brings its rewards as named reward functions in TRL's form (grpo_kernels.train.rewards): "exact" (match
+after stripping whitespace), "numeric" (the same number), "math_verify" (the JSONL task, when installed and asked
+for), and arith's "arith_correct" plus "arith_format" weighted by its format bonus. `task.reward_funcs` replaces them
+with the user's own. `reward(completion, example)` is their weighted sum on one completion and `correct` the success
+function's value. Everything is deterministic given a seed (`random.Random`), so a resumed run sees the same
+prompts.
 """
 
-import json
-import math
 import random
-import re
 import string
-from dataclasses import dataclass
-from pathlib import Path
+
+from . import rewards as _rewards
+from .data import Example, examples_from_rows, load_jsonl, load_rows
+from .rewards import Rewards, load_reward_function
 
 __all__ = [
     "ArithTask", "CharTokenizer", "Example", "PromptStream", "Task", "exact_match", "load_jsonl", "make_task",
     "numeric_match", "tiny_model",
 ]  # fmt: skip
-
-
-_INT = re.compile(r"-?\d+")
-_WHOLE_INT = re.compile(r"-?\d+\.?")
-
-
-@dataclass(frozen=True, slots=True)
-class Example:
-    """One prompt with its reference answer."""
-
-    prompt: str | tuple
-    """Plain text, or a conversation: a tuple of {"role", "content"} dicts (rendered by the chat template)."""
-    answer: str
 
 
 class CharTokenizer:
@@ -86,15 +75,10 @@ class CharTokenizer:
 
 
 def exact_match(completion: str, answer: str) -> float:
-    return float(completion.strip() == answer.strip())
+    return _rewards.exact([completion], [answer])[0]
 
 
-def numeric_match(completion: str, answer: str) -> float:
-    """1.0 when both parse as the same number (int or float), else 0.0."""
-    try:
-        return float(abs(float(completion.strip()) - float(answer.strip())) <= 1e-9 * max(1.0, abs(float(answer))))
-    except ValueError:
-        return 0.0
+numeric_match = _rewards.numeric_match
 
 
 class Task:
@@ -114,12 +98,35 @@ class Task:
         rng = random.Random(seed)
         return [self.example(rng) for _ in range(n)]
 
+    REWARDS = ("exact",)
+    """The task's reward functions (built-in names), the first its success."""
+
+    def reward_weights(self) -> list:
+        return [1.0] * len(self.REWARDS)
+
+    @property
+    def rewards(self) -> Rewards:
+        """The reward functions a run scores with: the task's own unless replaced (build: task.reward_funcs)."""
+        if getattr(self, "_rewards", None) is None:
+            self._rewards = Rewards([load_reward_function(n) for n in self.REWARDS], self.reward_weights(),
+                                    task_name=self.name)  # fmt: skip
+        return self._rewards
+
+    @rewards.setter
+    def rewards(self, value: Rewards) -> None:
+        self._rewards = value
+
     def reward(self, completion: str, example: Example) -> float:
-        return exact_match(completion, example.answer)
+        """The weighted sum of the reward functions on one (text) completion."""
+        r = self.rewards
+        values = r.score([example], [completion], [[]], step=0)
+        return float(r.combine(values)[0])
 
     def correct(self, completion: str, example: Example) -> float:
-        """1.0 when the completion answers correctly (held-out success); the reward itself unless it adds a bonus."""
-        return self.reward(completion, example)
+        """The success function's value on one completion (held-out success): the first reward function, unless
+        task.success_reward names another."""
+        r = self.rewards
+        return float(r.score([example], [completion], [[]], step=0)[0, r.success])
 
 
 class ReverseTask(Task):
@@ -137,27 +144,26 @@ class AddTask(Task):
     """Add two non-negative integers of 1 .. difficulty digits."""
 
     name = "add"
+    REWARDS = ("numeric",)
 
     def example(self, rng):
         a, b = (rng.randint(0, 10 ** rng.randint(1, self.difficulty) - 1) for _ in range(2))
         return Example(prompt=f"{a}+{b}=", answer=str(a + b))
-
-    def reward(self, completion, example):
-        return numeric_match(completion, example.answer)
 
 
 class ArithTask(Task):
     """Arithmetic questions in English for instruction-tuned models, with a required answer format.
 
     "What is 7 + 5? Reply with only the number." Difficulty d: operands of 1 .. d digits; from d = 2 on, subtraction
-    too (a result never below 0); from d = 4 on, a third operand. Reward: `correct` (1.0 when the last integer in the
-    completion is the answer) plus FORMAT_WEIGHT when the whole completion is that one integer, so a model that
-    rambles is pushed towards the asked-for form. Held-out success is `correct` alone. The difficulty sets the base
-    model's pass rate: at temperature 0.7, SmolLM2-135M-Instruct solves single-digit sums about 40 % of the time,
-    almost never in the asked-for form.
+    too (a result never below 0); from d = 4 on, a third operand. Reward: "arith_correct" (1.0 when the last integer
+    in the completion is the answer) plus FORMAT_WEIGHT x "arith_format" (1.0 when the whole completion is one
+    integer), so a model that rambles is pushed towards the asked-for form. Held-out success is "arith_correct".
+    The difficulty sets the base model's pass rate: at temperature 0.7, SmolLM2-135M-Instruct solves single-digit
+    sums about 40 % of the time, almost never in the asked-for form.
     """
 
     name = "arith"
+    REWARDS = ("arith_correct", "arith_format")
     FORMAT_WEIGHT = 0.2
     INSTRUCTION = "Reply with only the number."
 
@@ -178,13 +184,8 @@ class ArithTask(Task):
             expr, total = f"{expr} {op} {t}", total - t if op == "-" else total + t
         return Example(prompt=f"What is {expr}? {self.INSTRUCTION}", answer=str(total))
 
-    def correct(self, completion, example):
-        numbers = _INT.findall(completion.replace(",", ""))
-        return float(bool(numbers) and int(numbers[-1]) == int(example.answer))
-
-    def reward(self, completion, example):
-        formatted = _WHOLE_INT.fullmatch(completion.strip()) is not None
-        return self.correct(completion, example) + self.FORMAT_WEIGHT * formatted
+    def reward_weights(self):
+        return [1.0, self.FORMAT_WEIGHT]
 
 
 class JsonlTask(Task):
@@ -202,18 +203,51 @@ class JsonlTask(Task):
             except ImportError as exc:
                 raise ValueError("reward='math_verify' needs the math_verify package") from exc
         self.data, self.kind = load_jsonl(path), reward
+        self.REWARDS = (reward,)
 
     def example(self, rng):
         return rng.choice(self.data)
 
-    def reward(self, completion, example):
-        if self.kind == "numeric":
-            return numeric_match(completion, example.answer)
-        if self.kind == "math_verify":
-            from math_verify import parse, verify
 
-            return float(verify(parse(example.answer), parse(completion)))
-        return exact_match(completion, example.answer)
+class DatasetTask(Task):
+    """Examples of a dataset (grpo_kernels.train.data.load_rows): the prompt column, the answer column when named,
+    every other column for the reward functions. Split without overlap: `split_examples` holds out the first
+    num_eval examples of the split shuffled by the seed, unless eval_split names a split of its own."""
+
+    name = "dataset"
+
+    def __init__(self, source: str, *, split: str = "train", eval_split: str | None = None,
+                 prompt_column: str = "prompt", answer_column: str | None = None, reward: str = "exact"):  # fmt: skip
+        super().__init__(1)
+        self.source, self.REWARDS = source, (reward,)
+        read = lambda name: examples_from_rows(load_rows(source, name), prompt_column=prompt_column,  # noqa: E731
+                                               answer_column=answer_column, source=f"{source} [{name}]")  # fmt: skip
+        self.train_rows = read(split)
+        self.eval_rows = read(eval_split) if eval_split is not None else None
+
+    def split_examples(self, num_train: int, num_eval: int, seed: int) -> tuple[list, list]:
+        """(training examples, held-out examples): disjoint, each in an order shuffled by seed."""
+        order = list(range(len(self.train_rows)))
+        random.Random(seed).shuffle(order)
+        if self.eval_rows is None:
+            if num_eval >= len(order):
+                raise ValueError(f"task.num_eval_prompts = {num_eval} holds out every one of the {len(order)} "
+                                 f"examples of {self.source}: none is left to train on")  # fmt: skip
+            held, order = order[:num_eval], order[num_eval:]
+            held_out = [self.train_rows[i] for i in held]
+        else:
+            held = list(range(len(self.eval_rows)))
+            random.Random(seed + 1).shuffle(held)
+            held_out = [self.eval_rows[i] for i in held[:num_eval]]
+        self.trained = [self.train_rows[i] for i in order[:num_train]]
+        return self.trained, held_out
+
+    def example(self, rng):
+        """A training example (the SFT warm start's draw): from the training side of `split_examples`."""
+        pool = getattr(self, "trained", None)
+        if pool is None:
+            raise ValueError("DatasetTask.example: split_examples has not chosen the training examples yet")
+        return rng.choice(pool)
 
 
 TASKS = {"reverse": ReverseTask, "add": AddTask, "arith": ArithTask}
@@ -253,119 +287,25 @@ class PromptStream:
 
 
 def make_task(name: str, *, difficulty: int = 1, path=None, reward: str = "exact",
-              format_weight: float | None = None) -> Task:  # fmt: skip
-    """A built-in task ("reverse", "add", "arith") at a difficulty, or "jsonl" from `path`; format_weight: arith's
-    bonus for a bare-integer answer (None: ArithTask.FORMAT_WEIGHT), refused for the other tasks."""
+              format_weight: float | None = None, dataset: dict | None = None) -> Task:  # fmt: skip
+    """A built-in task ("reverse", "add", "arith") at a difficulty, "jsonl" from `path`, or "dataset" (dataset: the
+    DatasetTask's arguments, source first); format_weight: arith's bonus for a bare-integer answer (None:
+    ArithTask.FORMAT_WEIGHT), refused for the other tasks."""
     if name == "jsonl":
         if path is None:
             raise ValueError("task 'jsonl' needs a path")
         return JsonlTask(path, reward=reward)
+    if name == "dataset":
+        if not dataset or not dataset.get("source"):
+            raise ValueError("task 'dataset' needs a dataset (task.dataset)")
+        return DatasetTask(**dataset, reward=reward)
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; built-in tasks: {sorted(TASKS)} (or 'jsonl')")
+        raise ValueError(f"unknown task {name!r}; built-in tasks: {sorted(TASKS)} (or 'jsonl', 'dataset')")
     if format_weight is not None:
         if name != "arith":
             raise ValueError(f"format_weight is arith's format bonus; task {name!r} has none")
         return ArithTask(difficulty, format_weight=format_weight)
     return TASKS[name](difficulty)
-
-
-def load_jsonl(path) -> list[Example]:
-    """Examples from a JSONL file; a clear ValueError for an unreadable file, bad JSON or missing keys."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason})") from exc
-    out = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line, object_pairs_hook=_no_duplicate_keys)
-        except _DuplicateKey as exc:
-            raise ValueError(f"{path}:{number}: key {json.dumps(str(exc))} appears twice in the row (which one is "
-                             "meant?)") from None  # fmt: skip
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from exc
-        except RecursionError:
-            raise ValueError(f"{path}:{number}: not JSON this reader accepts (nested too deeply)") from None
-        missing = [k for k in ("prompt", "answer") if not isinstance(row, dict) or k not in row]
-        if missing:
-            raise ValueError(f"{path}:{number}: missing key(s) {missing}")
-        where = f"{path}:{number}"
-        out.append(Example(prompt=_prompt(row["prompt"], where), answer=_answer(row["answer"], where)))
-    if not out:
-        raise ValueError(f"{path}: no examples")
-    return out
-
-
-class _DuplicateKey(Exception):
-    pass
-
-
-def _no_duplicate_keys(pairs: list) -> dict:
-    keys = [k for k, _ in pairs]
-    for k in keys:
-        if keys.count(k) > 1:
-            raise _DuplicateKey(k)
-    return dict(pairs)
-
-
-def _text(value: str, where: str, what: str) -> str:
-    """A JSONL text field: not blank, no NUL and no lone surrogate (neither survives tokenization as written)."""
-    if not value.strip():
-        raise ValueError(f"{where}: {what} is empty" + (" (only whitespace)" if value else ""))
-    if "\x00" in value:
-        raise ValueError(f"{where}: {what} contains a NUL character (\\u0000)")
-    bad = next((c for c in value if 0xD800 <= ord(c) <= 0xDFFF), None)
-    if bad is not None:
-        raise ValueError(f"{where}: {what} contains a lone surrogate (\\u{ord(bad):04x}): not encodable text")
-    return value
-
-
-def _answer(value, where: str) -> str:
-    """A JSONL answer: a non-blank string, or a finite number (kept as its JSON text: 4 -> "4", 0.5 -> "0.5")."""
-    if isinstance(value, str):
-        return _text(value, where, '"answer"')
-    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-        return str(value)
-    raise ValueError(f'{where}: "answer" must be a string or a finite number, got {_shown(value)}')
-
-
-def _shown(value) -> str:
-    """A JSON value as an error message shows it (NaN and infinities as JSON's readers write them)."""
-    try:
-        return json.dumps(value)[:80]
-    except (ValueError, RecursionError):
-        return repr(value)[:80]
-
-
-CHAT_ROLES = ("system", "user", "assistant")
-
-
-def _prompt(value, where: str):
-    """A JSONL prompt: text, or TRL's conversational form (a non-empty list of {"role", "content"} strings)."""
-    if isinstance(value, str):
-        return _text(value, where, '"prompt"')
-    if isinstance(value, list) and value and all(
-        isinstance(m, dict) and set(m) == {"role", "content"} and all(isinstance(v, str) for v in m.values())
-        for m in value
-    ):
-        for i, m in enumerate(value):
-            if m["role"] not in CHAT_ROLES:
-                raise ValueError(f'{where}: "prompt" message {i} has role {json.dumps(m["role"])}; a role is one of '
-                                 f"{', '.join(CHAT_ROLES)}")  # fmt: skip
-            _text(m["content"], where, f'"prompt" message {i}\'s content')
-        if not any(m["role"] == "user" for m in value):
-            raise ValueError(f'{where}: "prompt" has no user message (roles: '
-                             f"{', '.join(m['role'] for m in value)})")  # fmt: skip
-        if value[-1]["role"] == "assistant":
-            raise ValueError(f'{where}: "prompt" ends with an assistant message: the completion is sampled as the '
-                             "assistant's answer to the last user message, so a prompt ends with one")  # fmt: skip
-        return tuple({"role": m["role"], "content": m["content"]} for m in value)
-    raise ValueError(f'{where}: "prompt" must be a string or a non-empty list of {{"role": str, "content": str}} '
-                     f"messages, got {_shown(value)}")  # fmt: skip
 
 
 def tiny_model(vocab_size: int, *, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,

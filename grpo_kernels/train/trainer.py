@@ -32,7 +32,7 @@ from .config_io import to_dict
 from .fsdp import SINGLE, all_gather_objects, full_state_dict, init_distributed
 from .group_size import AdaptiveGroupSize
 from .run_files import RunLog, resume_point
-from .sampling import collect, evaluate, standard_error, with_standard_error
+from .sampling import HeldOut, collect, held_out, standard_error, with_standard_error
 from .step import grpo_step, sft_warmup
 from .tasks import PromptStream
 
@@ -62,6 +62,12 @@ def train(config: TrainConfig, *, log=print) -> dict:
             sampler = rollouts.sampler
         else:
             sampler = make_sampler(config, model, tok, d)
+        servers.callback(task.rewards.close)  # the reward functions' worker processes, if any
+        t = config.task
+        if rollouts is not None and t.reward_timeout_s and not t.reward_processes:
+            log(f"warning: task.reward_timeout_s = {t.reward_timeout_s} bounds no plain reward function here: "
+                "decoupled sampling scores in its own thread, where a hung call cannot be stopped (set "
+                "task.reward_processes to run them in processes that can)")  # fmt: skip
         run = _Run(config, d, run_dir, tok, task, train_set, eval_set, model, sampler, rollouts, log)
         return run.run(checkpoint)
 
@@ -92,7 +98,7 @@ class _Run:
         # training, syncing; num_tokens: prompt + completion tokens of every row trained on (TRL's num_tokens)
         self.totals = {"completions_sampled": 0, "sampled_tokens": 0, "generate_s": 0.0, "train_s": 0.0,
                        "sync_s": 0.0, "num_tokens": 0}  # fmt: skip
-        self.start_eval, self.eval_total = float("nan"), 0.0
+        self.start_eval, self.eval_total, self.start_means = float("nan"), 0.0, {}
         self.evaluated = (None, None)  # (step, success) of the latest evaluation in the loop
         self.files = self.bar = None
         self.started = 0.0
@@ -149,7 +155,8 @@ class _Run:
         if checkpoint is not None:
             self.log(f"resumed from {checkpoint} at step {self.first}")
         else:
-            self.start_eval = self._evaluate()
+            start = self._evaluate()
+            self.start_eval, self.start_means = start.success, start.means
             self.log(f"held-out success before RL: {with_standard_error(self.start_eval, len(self.eval_set))}")
 
     def _open(self, resources: contextlib.ExitStack, *, resumed: bool) -> None:
@@ -158,7 +165,8 @@ class _Run:
                                  resources=resources)  # fmt: skip
         if not resumed and len(self.eval_set):
             self.files.before_training({"eval_success": self.start_eval,
-                                        "eval_success_se": standard_error(self.start_eval, len(self.eval_set))})
+                                        "eval_success_se": standard_error(self.start_eval, len(self.eval_set)),
+                                        **_eval_means(self.start_means)})  # fmt: skip
         self.bar = _progress(self.config.optim.steps, self.first, enabled=self.d.is_main)
         if self.bar is not None:
             resources.callback(self.bar.close)
@@ -181,12 +189,12 @@ class _Run:
             return {"weight_sync_s": time.perf_counter() - start}
         return {}
 
-    def _evaluate(self) -> float:
-        seed = self.config.seed + 7
+    def _evaluate(self) -> HeldOut:
+        seed, args = self.config.seed + 7, (self.sampler, self.tok, self.task, self.eval_set)
         if not self.decoupled:
-            return evaluate(self.sampler, self.tok, self.task, self.eval_set, seed=seed, d=self.d)
-        rate = evaluate(self.sampler, self.tok, self.task, self.eval_set, seed=seed) if self.d.is_main else None
-        return all_gather_objects(rate, self.d)[0]
+            return held_out(*args, seed=seed, d=self.d)
+        result = held_out(*args, seed=seed) if self.d.is_main else None
+        return all_gather_objects(result, self.d)[0]
 
     def _group_size(self) -> int:
         return self.adaptive.group_size if self.adaptive else self.s.group_size
@@ -198,7 +206,7 @@ class _Run:
         rollout, sampled, rounds, tokens = collect(self.config, self.sampler, self.tok, self.task, self.stream.take,
                                                    step, g, SINGLE)  # fmt: skip
         item = {"rollout": rollout, "sampled": sampled, "rounds": rounds, "tokens": tokens, "group_size": g,
-                "prompt_state": self.stream.state_dict()}  # fmt: skip
+                "prompt_state": self.stream.state_dict(), "reward_logged": self.task.rewards.take_logged()}  # fmt: skip
         if self.sampler.versions:  # the weight version the servers report for the batch's tokens
             item["version"] = min(self.sampler.versions)
         return item
@@ -216,7 +224,7 @@ class _Run:
                                                        self.stream.take, step, g, self.d)  # fmt: skip
             batch = {"rollout": rollout, "sampled": sampled, "rounds": rounds, "tokens": tokens, "group_size": g,
                      "timing": {"rollout_generate_s": time.perf_counter() - start},
-                     "prompt_state": self.stream.state_dict()}  # fmt: skip
+                     "prompt_state": self.stream.state_dict(), "reward_logged": self.task.rewards.take_logged()}
         self.totals["completions_sampled"] += batch["sampled"] * batch["group_size"]
         self.totals["sampled_tokens"] += batch["tokens"]
         self.totals["generate_s"] += batch["timing"]["rollout_generate_s"]
@@ -244,8 +252,11 @@ class _Run:
             self.totals["sync_s"] += metrics.get("weight_sync_s", 0.0)
             pairs = zip(rollout.prompt_ids, rollout.completion_ids, strict=True)
             self.totals["num_tokens"] += sum(len(p) + len(c) for p, c in pairs)
-            if self.adaptive:
-                self.adaptive.update(metrics["invalid_group_rate"], rollout.pass_rates())
+            metrics.update(self.task.rewards.metrics(rollout.rewards_per_func),
+                           reward_unscorable_fraction=rollout.unscorable_fraction())  # fmt: skip
+            if self.adaptive:  # the pass rates of the groups with a scored completion
+                self.adaptive.update(metrics["invalid_group_rate"], [p for p in rollout.pass_rates() if p == p])
+        metrics.update(batch["reward_logged"])  # reward_s (the scoring's share of rollout_generate_s), log_metric's
         metrics.update(step=step, lr=self.scheduler.get_last_lr()[0], elapsed_s=time.perf_counter() - self.started,
                        group_size=g, prompts_sampled=sampled, resample_rounds=batch["rounds"],
                        completions_sampled=sampled * g, sampled_tokens=batch["tokens"],
@@ -279,12 +290,12 @@ class _Run:
         if not t.eval_every or ((step + 1) % t.eval_every and step + 1 != self.config.optim.steps):
             return False
         start = time.perf_counter()
-        success = self._evaluate()
-        eval_s = time.perf_counter() - start
+        result = self._evaluate()
+        success, eval_s = result.success, time.perf_counter() - start
         self.eval_total += eval_s
         self.files.evaluation({"step": step, "eval_success": success, "eval_success_se": standard_error(success, n),
-                               "eval_s": eval_s, "eval_s_total": self.eval_total, **self.totals,
-                               "elapsed_s": time.perf_counter() - self.started}, step)  # fmt: skip
+                               **_eval_means(result.means), "eval_s": eval_s, "eval_s_total": self.eval_total,
+                               **self.totals, "elapsed_s": time.perf_counter() - self.started}, step)  # fmt: skip
         self.say(f"step {step:4d}  held-out success {with_standard_error(success, n)}")
         self.evaluated = (step, success)
         reached = t.target_success is not None and success >= t.target_success
@@ -309,7 +320,7 @@ class _Run:
         """The final held-out evaluation (the loop's own when it ran after the last step: the weights have not
         changed since), summary.json, and the process group's end."""
         n, s, d = len(self.eval_set), self.s, self.d
-        final_eval = self.evaluated[1] if self.evaluated[0] == steps - 1 else self._evaluate()
+        final_eval = self.evaluated[1] if self.evaluated[0] == steps - 1 else self._evaluate().success
         summary = {"eval_success_start": self.start_eval, "eval_success_end": final_eval, "eval_prompts": n,
                    "eval_success_se_start": standard_error(self.start_eval, n),
                    "eval_success_se_end": standard_error(final_eval, n), "steps": steps,
@@ -327,6 +338,11 @@ class _Run:
         if d.distributed and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         return summary
+
+
+def _eval_means(means: dict) -> dict:
+    """Each reward function's held-out mean under TRL's eval name (eval/rewards/<name>/mean in the trackers)."""
+    return {f"eval_rewards/{name}/mean": value for name, value in means.items()}
 
 
 def _progress(total: int, done: int, *, enabled: bool):

@@ -1,0 +1,206 @@
+"""The examples a run trains on, and reading them: a JSONL file of {"prompt", "answer"} lines (task.name = "jsonl"),
+or any dataset (task.name = "dataset"): a local JSON / JSONL / CSV / Parquet file or folder, or a dataset in the local
+Hugging Face cache through `datasets.load_dataset` (an extra: the built-in tasks never import it). A prompt is text
+or TRL's conversational form, a list of {"role": "system" | "user" | "assistant", "content": text} messages (rendered
+by the chat template). A dataset's other columns go to the reward functions under their own names.
+
+Every bad row is a ValueError naming the file (or split) and the row: no such column, a value of the wrong type, an
+empty text, a NUL or a lone surrogate, a key given twice (JSONL), no rows at all.
+"""
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["Example", "examples_from_rows", "load_jsonl", "load_rows", "read_jsonl"]
+
+
+@dataclass(frozen=True, slots=True)
+class Example:
+    """One prompt with its reference answer."""
+
+    prompt: str | tuple
+    """Plain text, or a conversation: a tuple of {"role", "content"} dicts (rendered by the chat template)."""
+    answer: str | None
+    """The reference answer (the SFT warm start's target; None: a dataset without one)."""
+    columns: dict = field(default_factory=dict, hash=False)
+    """The columns the reward functions get, by name (a dataset's other columns); empty: {"answer": answer}."""
+
+    def reward_columns(self) -> dict:
+        return self.columns or {"answer": self.answer}
+
+
+def load_jsonl(path) -> list[Example]:
+    """Examples from a JSONL file of {"prompt", "answer"} objects; a clear ValueError for an unreadable file, bad
+    JSON or missing keys."""
+    return examples_from_rows(read_jsonl(path), prompt_column="prompt", answer_column="answer", answer_required=True,
+                              source=str(path), columns=False)  # fmt: skip
+
+
+def read_jsonl(path) -> list:
+    """[(where, row)] of a JSONL file ("file:line", the object), blank lines skipped; ValueError naming the line for
+    an unreadable file, a line that is not one JSON object, or a key given twice."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason})") from exc
+    out = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line, object_pairs_hook=_no_duplicate_keys)
+        except _DuplicateKey as exc:
+            raise ValueError(f"{path}:{number}: key {json.dumps(str(exc))} appears twice in the row (which one is "
+                             "meant?)") from None  # fmt: skip
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from exc
+        except RecursionError:
+            raise ValueError(f"{path}:{number}: not JSON this reader accepts (nested too deeply)") from None
+        out.append((f"{path}:{number}", row))
+    return out
+
+
+def load_rows(source: str, split: str) -> list:
+    """[(where, row)] of one split of a dataset: a local JSONL file (read here, its errors naming the line), a JSON,
+    CSV or Parquet file or a folder of them (the file is the "train" split), or a dataset in the local Hugging Face
+    cache, through `datasets.load_dataset`. ValueError for a missing path, an unknown format or split."""
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".jsonl":
+        _only_train(split, source)
+        return read_jsonl(path)
+    try:
+        import datasets
+    except ImportError as exc:
+        raise ValueError(f"task.dataset {source}: reading it needs the datasets package: pip install "
+                         "'grpo-kernels[datasets]'") from exc  # fmt: skip
+    if path.is_file():
+        builder = _FORMATS.get(path.suffix.lower())
+        if builder is None:
+            raise ValueError(f"task.dataset {source}: unknown file format {path.suffix!r} (one of "
+                             f"{', '.join(sorted(_FORMATS))}, or .jsonl)")  # fmt: skip
+        _only_train(split, source)
+        loaded = _load(datasets, source, split, builder, data_files=str(path), split="train")
+    elif path.exists() or source.startswith((".", "/", "~")):
+        if not path.exists():
+            raise ValueError(f"task.dataset {source}: no such file or folder")
+        loaded = _load(datasets, source, split, str(path), split=split)
+    else:  # a dataset name: only what the local cache holds (no download is attempted)
+        loaded = _load(datasets, source, split, source, split=split)
+    return [(f"{source} [{split}] row {i}", row) for i, row in enumerate(loaded.to_list())]
+
+
+_FORMATS = {".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def _only_train(split: str, source: str) -> None:
+    if split != "train":
+        raise ValueError(f"task.split / task.eval_split {split!r}: the file {source} is one split, \"train\" (hold "
+                         "prompts out with task.num_eval_prompts, or give a folder with a file per split)")
+
+
+def _load(datasets, source: str, wanted: str, *args, **kwargs):
+    try:
+        return datasets.load_dataset(*args, **kwargs)
+    except ValueError as exc:
+        if "split" in str(exc).lower() or "Unknown split" in str(exc):
+            raise ValueError(f"task.dataset {source}: no split {wanted!r} ({exc})") from exc
+        raise ValueError(f"task.dataset {source}: {exc}") from exc
+    except (FileNotFoundError, ConnectionError, OSError) as exc:
+        raise ValueError(f"task.dataset {source}: not a local file or folder, and not in the local Hugging Face "
+                         f"cache ({type(exc).__name__}: {exc})") from exc  # fmt: skip
+
+
+def examples_from_rows(rows: list, *, prompt_column: str = "prompt", answer_column: str | None = None,
+                       answer_required: bool = False, source: str = "", columns: bool = True) -> list:  # fmt: skip
+    """Examples of [(where, row)] rows: the prompt column (text, or a list of {"role", "content"} messages), the
+    answer column when named, and (columns=True) every column but the prompt for the reward functions. ValueError
+    naming the row for a missing column or a value of the wrong type; for no rows at all."""
+    out = []
+    for where, row in rows:
+        needed = [prompt_column] + ([answer_column] if answer_column is not None and answer_required else [])
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: missing key(s) {needed} (a row is an object of columns, got {_shown(row)})")
+        missing = [k for k in needed if k not in row]
+        if missing:
+            have = f" (columns: {', '.join(map(str, row))})" if columns else ""
+            raise ValueError(f"{where}: missing key(s) {missing}{have}")
+        answer = None
+        if answer_column is not None and (answer_required or row.get(answer_column) is not None):
+            answer = _answer(row[answer_column], where, answer_column)
+        extra = {k: v for k, v in row.items() if k != prompt_column} if columns else {}
+        out.append(Example(prompt=_prompt(row[prompt_column], where, prompt_column), answer=answer, columns=extra))
+    if not out:
+        raise ValueError(f"{source}: no examples")
+    return out
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicate_keys(pairs: list) -> dict:
+    keys = [k for k, _ in pairs]
+    for k in keys:
+        if keys.count(k) > 1:
+            raise _DuplicateKey(k)
+    return dict(pairs)
+
+
+def _text(value: str, where: str, what: str) -> str:
+    """A JSONL text field: not blank, no NUL and no lone surrogate (neither survives tokenization as written)."""
+    if not value.strip():
+        raise ValueError(f"{where}: {what} is empty" + (" (only whitespace)" if value else ""))
+    if "\x00" in value:
+        raise ValueError(f"{where}: {what} contains a NUL character (\\u0000)")
+    bad = next((c for c in value if 0xD800 <= ord(c) <= 0xDFFF), None)
+    if bad is not None:
+        raise ValueError(f"{where}: {what} contains a lone surrogate (\\u{ord(bad):04x}): not encodable text")
+    return value
+
+
+def _answer(value, where: str, column: str = "answer") -> str:
+    """An answer: a non-blank string, or a finite number (kept as its JSON text: 4 -> "4", 0.5 -> "0.5")."""
+    if isinstance(value, str):
+        return _text(value, where, f'"{column}"')
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return str(value)
+    raise ValueError(f'{where}: "{column}" must be a string or a finite number, got {_shown(value)}')
+
+
+def _shown(value) -> str:
+    """A JSON value as an error message shows it (NaN and infinities as JSON's readers write them)."""
+    try:
+        return json.dumps(value)[:80]
+    except (ValueError, RecursionError):
+        return repr(value)[:80]
+
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def _prompt(value, where: str, column: str = "prompt"):
+    """A prompt: text, or TRL's conversational form (a non-empty list of {"role", "content"} strings)."""
+    if isinstance(value, str):
+        return _text(value, where, f'"{column}"')
+    if isinstance(value, list) and value and all(
+        isinstance(m, dict) and set(m) == {"role", "content"} and all(isinstance(v, str) for v in m.values())
+        for m in value
+    ):
+        for i, m in enumerate(value):
+            if m["role"] not in CHAT_ROLES:
+                raise ValueError(f'{where}: "{column}" message {i} has role {json.dumps(m["role"])}; a role is one of '
+                                 f"{', '.join(CHAT_ROLES)}")  # fmt: skip
+            _text(m["content"], where, f'"{column}" message {i}\'s content')
+        if not any(m["role"] == "user" for m in value):
+            raise ValueError(f'{where}: "{column}" has no user message (roles: '
+                             f"{', '.join(m['role'] for m in value)})")  # fmt: skip
+        if value[-1]["role"] == "assistant":
+            raise ValueError(f'{where}: "{column}" ends with an assistant message: the completion is sampled as the '
+                             "assistant's answer to the last user message, so a prompt ends with one")  # fmt: skip
+        return tuple({"role": m["role"], "content": m["content"]} for m in value)
+    raise ValueError(f'{where}: "{column}" must be a string or a non-empty list of {{"role": str, "content": str}} '
+                     f"messages, got {_shown(value)}")  # fmt: skip

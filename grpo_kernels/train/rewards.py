@@ -1,0 +1,482 @@
+"""Reward functions the way TRL and verl users write them, and the built-in rewards in the same form.
+
+    task.reward_funcs = ["my_pkg.rewards:correct", "rewards.py:format_ok"]     # module or file, then the function
+    task.reward_weights = [1.0, 0.2]                                           # default: 1 each
+
+A spec is "module.path:function" or "path/to/file.py:function" (a file's folder goes on sys.path, so it may import
+its neighbours; a relative path was resolved when the config loaded: against the config file's folder, or the
+working directory for a command-line override). A file without ":function" means verl's default, `compute_score`.
+The names of the built-in rewards ("exact", "numeric", "math_verify", "arith_correct", "arith_format") are specs too.
+
+TRL's calling convention: keyword arguments `prompts`, `completions`, `completion_ids` (one entry per completion),
+every other column of the examples as a list (the built-in tasks have one, `answer`), `trainer_state` (its
+`global_step`: optimizer steps done) and `log_metric(name, value)` (the step's metrics line gets the mean under
+that name). A conversational prompt is its list of messages and its completion `[{"role": "assistant", "content":
+text}]`, as TRL passes them. The function returns one number or None per completion. A function with verl's
+signature, `compute_score(data_source, solution_str, ground_truth, extra_info=None)`, is called once per completion
+with the completion's text, the columns `data_source` (default: the task's name), `ground_truth` (or
+`reward_model["ground_truth"]`, or `answer`) and `extra_info`; it returns a number, or a dict with a "score".
+
+None means "does not apply": it becomes NaN, which the weighted sum skips (TRL's nansum); a completion that every
+function returns None for is unscorable: NaN in the rollout, left out of its group's statistics with advantage 0,
+and counted in the step's `reward_unscorable_fraction`. `async def` functions run concurrently (asyncio.gather);
+plain ones run in the calling thread (signal-based timeouts such as math_verify's work in the main thread only), or
+in `task.reward_processes` worker processes, each taking a contiguous slice of the rows. `task.reward_timeout_s`
+bounds every call where a hung one can be stopped: a plain function in the main thread (the call is interrupted),
+an async one that awaits, and the worker processes (they are stopped); a plain function in another thread (the
+decoupled sampler's) cannot be, and the trainer says so when the run starts.
+
+Anything else a function does wrong is a `RewardError` naming the function, the step and the row: it raises, it
+returns the wrong number of values, a value that is not a number, an infinity, or a NaN (return None instead).
+"""
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import re
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from .config_task import is_file_spec, resolve_spec
+
+__all__ = ["BUILTIN", "RewardError", "RewardFunction", "Rewards", "load_reward_function", "resolve_spec"]
+
+
+class RewardError(ValueError):
+    """A reward function that cannot be loaded, or that did something wrong during a run."""
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    """One reward function: its name (metrics: `rewards/<name>/mean`), the callable, how it is called."""
+
+    name: str
+    func: object
+    spec: str
+    verl: bool = False
+    """verl's compute_score(data_source, solution_str, ground_truth, extra_info): called once per completion."""
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.func)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The built-in rewards, in TRL's convention (the built-in tasks' own, and names for the JSONL task's task.reward).
+
+_INT = re.compile(r"-?\d+")
+_WHOLE_INT = re.compile(r"-?\d+\.?")
+
+
+def completion_text(completion) -> str:
+    """A completion as text: itself, or the content of TRL's conversational form (a list of messages)."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(m["content"] for m in completion)
+
+
+def exact(completions, answer, **kwargs) -> list:
+    """1.0 when the completion, stripped, is the answer, else 0.0."""
+    return [float(completion_text(c).strip() == a.strip()) for c, a in zip(completions, answer, strict=True)]
+
+
+def numeric_match(text: str, answer: str) -> float:
+    """1.0 when both parse as the same number (int or float), else 0.0."""
+    try:
+        return float(abs(float(text.strip()) - float(answer.strip())) <= 1e-9 * max(1.0, abs(float(answer))))
+    except ValueError:
+        return 0.0
+
+
+def numeric(completions, answer, **kwargs) -> list:
+    """1.0 when the completion and the answer parse as the same number, else 0.0."""
+    return [numeric_match(completion_text(c), a) for c, a in zip(completions, answer, strict=True)]
+
+
+def math_verify(completions, answer, **kwargs) -> list:
+    """1.0 when math_verify finds the completion's answer equal to the reference, else 0.0."""
+    from math_verify import parse, verify
+
+    return [float(verify(parse(a), parse(completion_text(c)))) for c, a in zip(completions, answer, strict=True)]
+
+
+def arith_correct(completions, answer, **kwargs) -> list:
+    """1.0 when the last integer in the completion is the answer (the "arith" task's correctness)."""
+    out = []
+    for c, a in zip(completions, answer, strict=True):
+        numbers_ = _INT.findall(completion_text(c).replace(",", ""))
+        out.append(float(bool(numbers_) and int(numbers_[-1]) == int(a)))
+    return out
+
+
+def arith_format(completions, **kwargs) -> list:
+    """1.0 when the whole completion is one bare integer (the "arith" task's format bonus, weighted)."""
+    return [float(_WHOLE_INT.fullmatch(completion_text(c).strip()) is not None) for c in completions]
+
+
+BUILTIN = {"exact": exact, "numeric": numeric, "math_verify": math_verify, "arith_correct": arith_correct,
+           "arith_format": arith_format}  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Loading a spec.
+
+
+_FILE_MODULES: dict = {}
+
+
+def load_reward_function(spec: str) -> RewardFunction:
+    """The reward function a spec names; RewardError (naming the spec) when it does not import or names no
+    callable."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise RewardError(f"task.reward_funcs: a spec is 'module:function' or 'file.py:function', got {spec!r}")
+    if spec in BUILTIN:
+        if spec == "math_verify" and importlib.util.find_spec("math_verify") is None:
+            raise RewardError("task.reward_funcs: the built-in 'math_verify' needs the math-verify package: pip "
+                              "install 'grpo-kernels[math]'")  # fmt: skip
+        return RewardFunction(spec, BUILTIN[spec], spec)
+    if is_file_spec(spec):
+        path, name = (spec, "compute_score") if spec.endswith(".py") else spec.rsplit(":", 1)
+        module = _import_file(Path(path), spec)
+    elif ":" in spec:
+        module_name, name = spec.rsplit(":", 1)
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as exc:  # noqa: BLE001  whatever importing it raised is the user's to see
+            raise RewardError(f"task.reward_funcs: {spec!r}: importing {module_name} failed: "
+                              f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
+    else:
+        raise RewardError(f"task.reward_funcs: {spec!r} is neither a built-in reward ({', '.join(BUILTIN)}) nor "
+                          "'module:function' / 'file.py:function'")  # fmt: skip
+    func = getattr(module, name, None)
+    if func is None or not callable(func):
+        found = "nothing" if func is None else f"a {type(func).__name__}, not a function"
+        raise RewardError(f"task.reward_funcs: {spec!r}: {name} in {module.__name__} is {found}")
+    params = inspect.signature(func).parameters
+    verl = "solution_str" in params and "ground_truth" in params
+    return RewardFunction(getattr(func, "__name__", name), func, spec, verl=verl)
+
+
+def _import_file(path: Path, spec: str):
+    """The file run as a module, once per version of it (a file edited since is run again: a fixed reward file
+    for a resumed run in the same process)."""
+    path = path.resolve()
+    if not path.is_file():
+        raise RewardError(f"task.reward_funcs: {spec!r}: no file {path}")
+    stat = path.stat()
+    key = (path, stat.st_mtime_ns, stat.st_size)
+    if key in _FILE_MODULES:
+        return _FILE_MODULES[key]
+    if str(path.parent) not in sys.path:  # the file may import its neighbours
+        sys.path.insert(0, str(path.parent))
+    module_spec = importlib.util.spec_from_file_location(f"grpo_rewards_{path.stem}_{len(_FILE_MODULES)}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001
+        raise RewardError(f"task.reward_funcs: {spec!r}: running {path} failed: {type(exc).__name__}: {exc}") from exc
+    _FILE_MODULES[key] = module
+    return module
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Scoring a batch.
+
+
+class Rewards:
+    """A run's reward functions with their weights: `score` gives the [N, K] rewards of N completions (NaN where a
+    function returned None), `combine` their weighted sum (NaN for an unscorable completion)."""
+
+    def __init__(self, functions: list, weights=None, *, success: str | None = None, timeout_s: float | None = None,
+                 processes: int = 0, task_name: str = "task"):  # fmt: skip
+        if not functions:
+            raise RewardError("task.reward_funcs: at least one reward function")
+        names = [f.name for f in functions]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise RewardError(f"task.reward_funcs: two functions are named {twice[0]!r} (the metrics name each one)")
+        weights = [1.0] * len(functions) if weights is None else [float(w) for w in weights]
+        if len(weights) != len(functions):
+            raise RewardError(f"task.reward_weights: {len(weights)} weights for {len(functions)} reward functions")
+        if success is not None and success not in names:
+            raise RewardError(f"task.success_reward: {success!r} is none of the reward functions ({', '.join(names)})")
+        self.functions, self.names, self.weights = list(functions), names, weights
+        self.success = names.index(success) if success is not None else 0
+        self.timeout_s, self.processes, self.task_name = timeout_s, processes, task_name
+        self.logged: dict = {}  # log_metric's values since the last `take_logged`
+        self.seconds = 0.0  # spent scoring since the last `take_logged`
+        self._pool = None
+
+    def score(self, examples, completions, completion_ids, *, step: int, max_steps: int = 0,
+              record: bool = True) -> torch.Tensor:  # fmt: skip
+        """[N, K] float64: function k's reward of completion i (examples[i] its example: prompt and columns).
+        record: count the seconds and log_metric's values for the step (False: a held-out evaluation's)."""
+        start = time.perf_counter()
+        try:
+            return self._score(examples, completions, completion_ids, step=step, max_steps=max_steps, record=record)
+        finally:
+            if record:
+                self.seconds += time.perf_counter() - start
+
+    def _score(self, examples, completions, completion_ids, *, step: int, max_steps: int,
+               record: bool) -> torch.Tensor:  # fmt: skip
+        n = len(completions)
+        columns = _columns(examples)
+        kwargs = {"prompts": [e.prompt if isinstance(e.prompt, str) else list(e.prompt) for e in examples],
+                  "completions": completions, "completion_ids": completion_ids, **columns,
+                  "trainer_state": SimpleNamespace(global_step=step, max_steps=max_steps),
+                  "log_metric": self._log_metric if record else _ignore}  # fmt: skip
+        out = torch.full((n, len(self.functions)), float("nan"), dtype=torch.float64)
+        if n == 0:
+            return out
+        waiting = []
+        for k, f in enumerate(self.functions):
+            if f.is_async:
+                waiting.append(k)
+            else:
+                out[:, k] = self._checked(f, self._call(f, kwargs, step), n, step, kwargs)
+        if waiting:
+            results = _run_async([self._call_async(self.functions[k], kwargs, step) for k in waiting])
+            for k, values in zip(waiting, results, strict=True):
+                out[:, k] = self._checked(self.functions[k], values, n, step, kwargs)
+        return out
+
+    def combine(self, per_func: torch.Tensor) -> torch.Tensor:
+        """[N] float64: the weighted sum over the functions, NaN (a function's None) skipped; NaN where every
+        function returned None (an unscorable completion)."""
+        weights = torch.tensor(self.weights, dtype=torch.float64)
+        total = (per_func * weights).nansum(dim=1)
+        return total.masked_fill(per_func.isnan().all(dim=1), float("nan"))
+
+    def metrics(self, per_func: torch.Tensor) -> dict:
+        """TRL's per-function metrics of [..., K] values: rewards/<name>/mean and /std (unbiased) over the
+        completions the function applied to (NaN where it applied to none)."""
+        flat, out = per_func.reshape(-1, len(self.names)), {}
+        for k, name in enumerate(self.names):
+            values = flat[:, k][~flat[:, k].isnan()]
+            out[f"rewards/{name}/mean"] = float(values.mean()) if len(values) else float("nan")
+            out[f"rewards/{name}/std"] = float(values.std()) if len(values) > 1 else float("nan")
+        return out
+
+    def take_logged(self) -> dict:
+        """The mean of every log_metric name and the seconds spent scoring (reward_s) since the last call; both
+        start again from nothing."""
+        out = {name: sum(values) / len(values) for name, values in self.logged.items() if values}
+        out["reward_s"] = self.seconds
+        self.logged, self.seconds = {}, 0.0
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
+
+    # ---- calls -------------------------------------------------------------------------------------------------
+
+    def _log_metric(self, name: str, value) -> None:
+        self.logged.setdefault(str(name), []).append(float(value))
+
+    def _call(self, f: RewardFunction, kwargs: dict, step: int):
+        if self.processes:
+            return self._call_in_processes(f, kwargs, step)
+        with _Deadline(self.timeout_s, f, step):
+            try:
+                if f.verl:
+                    return [_verl_score(f, kwargs, i, self.task_name) for i in range(len(kwargs["completions"]))]
+                return f.func(**kwargs)
+            except RewardError:
+                raise
+            except Exception as exc:  # noqa: BLE001  the user's function: its error, named
+                raise RewardError(f"reward function {f.name!r} ({f.spec}) raised at step {step}: "
+                                  f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
+
+    async def _call_async(self, f: RewardFunction, kwargs: dict, step: int):
+        try:
+            call = f.func(**kwargs)
+            return await (asyncio.wait_for(call, self.timeout_s) if self.timeout_s else call)
+        except TimeoutError:
+            raise RewardError(f"reward function {f.name!r} ({f.spec}) did not return within task.reward_timeout_s "
+                              f"= {self.timeout_s} s at step {step}") from None  # fmt: skip
+        except RewardError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise RewardError(f"reward function {f.name!r} ({f.spec}) raised at step {step}: "
+                              f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
+
+    def _call_in_processes(self, f: RewardFunction, kwargs: dict, step: int):
+        import multiprocessing
+
+        if self._pool is None:  # started (the workers import the functions) before any call's timeout runs
+            specs = [g.spec for g in self.functions if not g.is_async]
+            self._pool = multiprocessing.get_context("spawn").Pool(self.processes, _load_in_child, (specs,))
+            self._pool.map(_load_in_child, [specs] * (2 * self.processes), chunksize=1)
+        n = len(kwargs["completions"])
+        bounds = [round(i * n / self.processes) for i in range(self.processes + 1)]
+        plain = {k: v for k, v in kwargs.items() if k not in ("trainer_state", "log_metric")}
+        state = {"global_step": kwargs["trainer_state"].global_step, "max_steps": kwargs["trainer_state"].max_steps}
+        jobs = []
+        for a, b in zip(bounds, bounds[1:], strict=False):
+            if b > a:
+                part = {k: v[a:b] if isinstance(v, list) else v for k, v in plain.items()}
+                jobs.append(self._pool.apply_async(_call_in_child, (f.spec, part, state, self.task_name)))
+        values = []
+        for job in jobs:
+            try:
+                part, logged, error = job.get(self.timeout_s)
+            except multiprocessing.TimeoutError:
+                self.close()
+                raise RewardError(f"reward function {f.name!r} ({f.spec}) did not return within "
+                                  f"task.reward_timeout_s = {self.timeout_s} s at step {step} (its worker processes "
+                                  "were stopped)") from None  # fmt: skip
+            if error is not None:
+                raise RewardError(f"reward function {f.name!r} ({f.spec}) raised at step {step}: {error}")
+            for name, items in logged.items():
+                for value in items:
+                    kwargs["log_metric"](name, value)
+            if not isinstance(part, list | tuple):  # not one value per row: _checked names what it was
+                return part
+            values.extend(part)
+        return values
+
+    def _checked(self, f: RewardFunction, values, n: int, step: int, kwargs: dict) -> torch.Tensor:
+        """The function's values as [n] float64 (None -> NaN); RewardError naming the function, step and row."""
+        where = f"reward function {f.name!r} ({f.spec}) at step {step}"
+        if isinstance(values, torch.Tensor):
+            values = values.tolist()
+        if isinstance(values, str | bytes) or not hasattr(values, "__len__"):
+            raise RewardError(f"{where} returned {type(values).__name__}, not one value per completion ({n})")
+        if len(values) != n:
+            raise RewardError(f"{where} returned {len(values)} values for {n} completions (one per completion)")
+        out = []
+        for i, v in enumerate(values):
+            row = f"{where}, row {i} (prompt {_short(kwargs['prompts'][i])})"
+            if v is None:
+                out.append(float("nan"))
+                continue
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                v = v.item()
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise RewardError(f"{row} returned {type(v).__name__} {_short(v)}: a reward is a number or None")
+            v = float(v)
+            if math.isnan(v):
+                raise RewardError(f"{row} returned NaN: return None for a completion the function does not apply "
+                                  "to")  # fmt: skip
+            if math.isinf(v):
+                raise RewardError(f"{row} returned {v}: a reward is finite")
+            out.append(v)
+        return torch.tensor(out, dtype=torch.float64)
+
+
+def _ignore(name, value) -> None:
+    """log_metric during a held-out evaluation: its values are not a training step's."""
+
+
+def _columns(examples) -> dict:
+    """{column: [value per completion]}: every column the examples carry (the built-in ones: answer)."""
+    rows = [e.reward_columns() for e in examples]
+    keys = list(dict.fromkeys(key for row in rows for key in row))  # every row's, in order (None where absent)
+    return {key: [row.get(key) for row in rows] for key in keys}
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _verl_score(f: RewardFunction, kwargs: dict, i: int, task_name: str):
+    """verl's compute_score on completion i: a number, or the "score" of the dict it returns."""
+    col = lambda key: kwargs[key][i] if key in kwargs else None  # noqa: E731
+    truth = col("ground_truth")
+    if truth is None and isinstance(col("reward_model"), dict):
+        truth = col("reward_model").get("ground_truth")
+    if truth is None:
+        truth = col("answer")
+    result = f.func(data_source=col("data_source") or task_name, solution_str=completion_text(kwargs["completions"][i]),
+                    ground_truth=truth, extra_info=col("extra_info"))  # fmt: skip
+    return result.get("score") if isinstance(result, dict) else result
+
+
+def _run_async(coroutines: list) -> list:
+    async def gather():
+        return await asyncio.gather(*coroutines)
+
+    return asyncio.run(gather())
+
+
+_CHILD_FUNCTIONS: dict = {}
+
+
+def _load_in_child(specs: list) -> None:
+    """A worker's start: the reward functions imported once (a spec that fails is reported by the call)."""
+    for spec in specs:
+        if spec not in _CHILD_FUNCTIONS:
+            try:
+                _CHILD_FUNCTIONS[spec] = load_reward_function(spec)
+            except RewardError:
+                pass
+
+
+def _call_in_child(spec: str, kwargs: dict, state: dict, task_name: str):
+    """In a worker process: (values, log_metric's values, None) or (None, {}, the error's text)."""
+    logged: dict = {}
+    try:
+        if spec not in _CHILD_FUNCTIONS:
+            _CHILD_FUNCTIONS[spec] = load_reward_function(spec)
+        f = _CHILD_FUNCTIONS[spec]
+        kwargs = {**kwargs, "trainer_state": SimpleNamespace(**state)}
+        if f.verl:
+            return [_verl_score(f, kwargs, i, task_name) for i in range(len(kwargs["completions"]))], logged, None
+        log_metric = lambda name, value: logged.setdefault(str(name), []).append(float(value))  # noqa: E731
+        if f.is_async:
+            return asyncio.run(f.func(**kwargs, log_metric=log_metric)), logged, None
+        return f.func(**kwargs, log_metric=log_metric), logged, None
+    except Exception as exc:  # noqa: BLE001  sent back as text: the parent raises the RewardError
+        return None, {}, f"{type(exc).__name__}: {exc}"
+
+
+class _Deadline:
+    """task.reward_timeout_s for a plain call in the main thread: a timer interrupts the main thread when the call
+    runs past it (KeyboardInterrupt at its next bytecode), turned into a RewardError. Elsewhere: nothing."""
+
+    def __init__(self, timeout_s, f: RewardFunction, step: int):
+        self.timeout_s, self.f, self.step = timeout_s, f, step
+        self.active = bool(timeout_s) and threading.current_thread() is threading.main_thread()
+        self.fired = threading.Event()
+        self.timer = None
+
+    def __enter__(self):
+        if self.active:
+            import _thread
+
+            def fire():
+                self.fired.set()
+                _thread.interrupt_main()
+
+            self.timer = threading.Timer(self.timeout_s, fire)
+            self.timer.daemon = True
+            self.timer.start()
+        return self
+
+    def __exit__(self, kind, value, tb):
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer.join()
+        if kind is KeyboardInterrupt and self.fired.is_set():
+            raise RewardError(f"reward function {self.f.name!r} ({self.f.spec}) did not return within "
+                              f"task.reward_timeout_s = {self.timeout_s} s at step {self.step} (interrupted)") from None
+        if kind is None and self.fired.is_set():  # fired as the call returned: the interrupt is still pending
+            try:
+                threading.Event().wait(0.05)
+            except KeyboardInterrupt:
+                pass
+        return False

@@ -1,0 +1,269 @@
+"""Reward functions as TRL and verl users write them (grpo_kernels.train.rewards): the calling conventions, None as
+"does not apply" (skipped in the weighted sum; an all-None completion left out of its group with advantage 0),
+timeouts, worker processes, and a clear error for every bad input."""
+
+import asyncio
+import math
+import time
+
+import pytest
+import torch
+
+from grpo_kernels import group_advantages
+from grpo_kernels.train.config_io import load_config
+from grpo_kernels.train.rewards import RewardError, RewardFunction, Rewards, load_reward_function
+from grpo_kernels.train.rollout import Rollout
+from grpo_kernels.train.tasks import Example
+
+TRL_FILE = '''
+import asyncio
+
+calls = []
+
+def correct(prompts, completions, completion_ids, answer, trainer_state, log_metric, **kwargs):
+    calls.append(dict(prompts=prompts, completions=completions, completion_ids=completion_ids, answer=answer,
+                      step=trainer_state.global_step, extra=sorted(kwargs)))
+    log_metric("correct/seen", len(completions))
+    return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
+
+def only_long(completions, **kwargs):
+    """None for a completion of one character: the function does not apply to it."""
+    return [None if len(c) < 2 else len(c) / 10 for c in completions]
+
+def chat_correct(prompts, completions, answer, **kwargs):
+    calls.append(dict(prompts=prompts, completions=completions))
+    return [float(c[0]["content"] == a) for c, a in zip(completions, answer)]
+
+async def slow_async(completions, **kwargs):
+    await asyncio.sleep(0.01)
+    return [0.5] * len(completions)
+
+def hangs(completions, **kwargs):
+    while True:
+        pass
+
+async def hangs_async(completions, **kwargs):
+    await asyncio.sleep(60)
+
+def sleeps(completions, **kwargs):
+    import time
+    time.sleep(60)
+'''
+
+VERL_FILE = '''
+seen = []
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    seen.append((data_source, solution_str, ground_truth, extra_info))
+    return {"score": float(solution_str == ground_truth), "acc": True}
+'''
+
+
+def _examples(answers, **columns):
+    """Examples q0, q1, ... with these answers and, when given, more columns (one value per example)."""
+    out = []
+    for i, a in enumerate(answers):
+        extra = {k: v[i] for k, v in columns.items()}
+        out.append(Example(prompt=f"q{i}", answer=a, columns={"answer": a, **extra} if extra else {}))
+    return out
+
+
+@pytest.fixture
+def trl_file(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text(TRL_FILE)
+    return path
+
+
+def test_a_trl_reward_file_gets_trls_keywords_and_its_values_come_back_per_function(trl_file):
+    correct = load_reward_function(f"{trl_file}:correct")
+    rewards = Rewards([correct, load_reward_function(f"{trl_file}:only_long")], [1.0, 0.5])
+    examples = _examples(["12", "7", "x"], level=[1, 2, 3])
+    completions = ["12", "8", "xyz"]
+    per_func = rewards.score(examples, completions, [[5, 2], [6, 2], [7, 8, 9]], step=4, max_steps=10)
+    call = correct.func.__globals__["calls"][-1]
+    assert call == dict(prompts=["q0", "q1", "q2"], completions=completions, completion_ids=[[5, 2], [6, 2], [7, 8, 9]],
+                        answer=["12", "7", "x"], step=4, extra=["level"])  # fmt: skip
+    assert per_func[:, 0].tolist() == [1.0, 0.0, 0.0]
+    assert per_func[0, 1] == 0.2 and math.isnan(per_func[1, 1]) and per_func[2, 1] == 0.3
+    assert rewards.combine(per_func).tolist() == pytest.approx([1.1, 0.0, 0.15])  # None skipped in the sum
+    assert rewards.take_logged()["correct/seen"] == 3.0 and rewards.take_logged() == {"reward_s": 0.0}
+
+
+def test_async_functions_run_and_conversational_prompts_pass_as_messages(trl_file):
+    chat = load_reward_function(f"{trl_file}:chat_correct")
+    rewards = Rewards([load_reward_function(f"{trl_file}:slow_async"), chat])
+    example = Example(prompt=({"role": "user", "content": "say 1"},), answer="1")
+    per_func = rewards.score([example], [[{"role": "assistant", "content": "1"}]], [[3]], step=0)
+    assert per_func.tolist() == [[0.5, 1.0]]
+    assert chat.func.__globals__["calls"][-1] == dict(prompts=[[{"role": "user", "content": "say 1"}]],
+                                                      completions=[[{"role": "assistant", "content": "1"}]])
+
+
+def test_a_completion_no_function_scores_is_left_out_of_its_group_with_advantage_0():
+    n = 8
+    rollout = Rollout(prompt_ids=[torch.tensor([1])] * n, completion_ids=[torch.tensor([2])] * n,
+                      sampler_logps=[torch.zeros(1)] * n, group_size=4)  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.rand(n, generator=g, dtype=torch.float64)
+    rewards[1] = rewards[5] = rewards[6] = float("nan")
+    scored = rollout.with_rewards(rewards)
+    kept = rewards[~rewards.isnan()].float()
+    expected = group_advantages(kept, group_offsets=torch.tensor([0, 3, 5]))
+    adv = scored.advantages.advantages
+    assert adv[1] == 0 and adv[5] == 0 and adv[6] == 0
+    torch.testing.assert_close(adv[~rewards.isnan()], expected.advantages)
+    assert scored.advantages.valid.tolist() == expected.valid.tolist()
+    assert scored.unscorable_fraction() == 3 / 8
+    assert scored.pass_rates()[0] == pytest.approx(kept[:3].double().mean().item())
+    everything = rollout.with_rewards([float("nan")] * 4 + [1.0, 0.0, 1.0, 0.0])
+    assert everything.advantages.valid.tolist() == [False, True] and everything.advantages.advantages[:4].eq(0).all()
+
+
+def test_verl_compute_score_is_called_per_completion(tmp_path):
+    path = tmp_path / "verl_reward.py"
+    path.write_text(VERL_FILE)
+    f = load_reward_function(str(path))  # a file alone: verl's default name, compute_score
+    assert f.verl and f.name == "compute_score"
+    examples = [Example(prompt="p", answer=None, columns={"data_source": "gsm8k", "reward_model":
+                                                          {"ground_truth": "4"}, "extra_info": {"i": 0}}),
+                Example(prompt="p", answer="5")]  # fmt: skip
+    per_func = Rewards([f], task_name="mytask").score(examples, ["4", "5"], [[1], [2]], step=0)
+    assert per_func[:, 0].tolist() == [1.0, 1.0]
+    assert f.func.__globals__["seen"] == [("gsm8k", "4", "4", {"i": 0}), ("mytask", "5", "5", None)]
+
+
+def test_worker_processes_give_the_same_values_and_log_metric(trl_file):
+    functions = [load_reward_function(f"{trl_file}:correct"), load_reward_function(f"{trl_file}:only_long")]
+    examples = _examples([str(i) for i in range(7)])
+    completions = [str(i) if i % 2 else "no" for i in range(7)]
+    ids = [[i] for i in range(7)]
+    here = Rewards(functions).score(examples, completions, ids, step=1)
+    pooled = Rewards(functions, processes=2)
+    try:
+        there = pooled.score(examples, completions, ids, step=1)
+        assert torch.equal(here.nan_to_num(-1), there.nan_to_num(-1))
+        assert pooled.take_logged()["correct/seen"] == 3.5  # two workers: slices of 4 and 3 rows
+    finally:
+        pooled.close()
+
+
+@pytest.mark.parametrize("name, processes", [("hangs", 0), ("hangs_async", 0), ("sleeps", 1)])
+def test_a_hung_reward_function_is_stopped_at_the_timeout(trl_file, name, processes):
+    rewards = Rewards([load_reward_function(f"{trl_file}:{name}")], timeout_s=0.5, processes=processes)
+    start = time.perf_counter()
+    try:
+        with pytest.raises(RewardError, match=rf"reward function '{name}' .* did not return within "
+                                              r"task.reward_timeout_s = 0.5 s at step 3"):  # fmt: skip
+            rewards.score(_examples(["1"]), ["1"], [[1]], step=3)
+    finally:
+        rewards.close()
+    assert time.perf_counter() - start < 30  # the pool's start-up (spawn) included
+
+
+BAD_FILE = '''
+NOT_CALLABLE = 3
+
+def raises(completions, **kwargs):
+    raise KeyError("no such column")
+
+def too_few(completions, **kwargs):
+    return [1.0] * (len(completions) - 1)
+
+def a_string(completions, **kwargs):
+    return [1.0, "high"]
+
+def infinite(completions, **kwargs):
+    return [1.0, float("inf")]
+
+def nan(completions, **kwargs):
+    return [float("nan"), 1.0]
+
+def not_a_list(completions, **kwargs):
+    return 1.0
+'''
+
+
+@pytest.mark.parametrize("name, message", [
+    ("raises", r"reward function 'raises' \(.*\) raised at step 2: KeyError: 'no such column'"),
+    ("too_few", r"'too_few' .* at step 2 returned 1 values for 2 completions"),
+    ("a_string", r"'a_string' .* at step 2, row 1 \(prompt 'q1'\) returned str 'high': a reward is a number or None"),
+    ("infinite", r"'infinite' .* at step 2, row 1 \(prompt 'q1'\) returned inf: a reward is finite"),
+    ("nan", r"'nan' .* at step 2, row 0 \(prompt 'q0'\) returned NaN: return None for a completion the function "),
+    ("not_a_list", r"'not_a_list' .* at step 2 returned float, not one value per completion \(2\)"),
+])  # fmt: skip
+def test_a_reward_function_that_misbehaves_is_named_with_the_step_and_the_row(tmp_path, name, message):
+    path = tmp_path / "bad.py"
+    path.write_text(BAD_FILE)
+    with pytest.raises(RewardError, match=message):
+        Rewards([load_reward_function(f"{path}:{name}")]).score(_examples(["1", "2"]), ["1", "2"], [[1], [2]], step=2)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("no_such_module_xyz:f", r"'no_such_module_xyz:f': importing no_such_module_xyz failed: ModuleNotFoundError"),
+    ("{dir}/missing.py:f", r"no file .*missing.py"),
+    ("{dir}/broken.py:f", r"running .*broken.py failed: ZeroDivisionError"),
+    ("{dir}/bad.py:nothing", r"nothing in .* is nothing"),
+    ("{dir}/bad.py:NOT_CALLABLE", r"NOT_CALLABLE in .* is a int, not a function"),
+    ("just_a_word", r"'just_a_word' is neither a built-in reward"),
+])  # fmt: skip
+def test_a_spec_that_does_not_load_is_an_error_naming_it(tmp_path, spec, message):
+    (tmp_path / "bad.py").write_text(BAD_FILE)
+    (tmp_path / "broken.py").write_text("1 / 0\n")
+    with pytest.raises(RewardError, match=message):
+        load_reward_function(spec.format(dir=tmp_path))
+
+
+def test_rewards_refuse_duplicate_names_wrong_weights_and_an_unknown_success(trl_file):
+    f = load_reward_function(f"{trl_file}:correct")
+    with pytest.raises(RewardError, match="two functions are named 'correct'"):
+        Rewards([f, f])
+    with pytest.raises(RewardError, match="2 weights for 1 reward functions"):
+        Rewards([f], [1.0, 2.0])
+    with pytest.raises(RewardError, match=r"task.success_reward: 'other' is none of the reward functions \(correct\)"):
+        Rewards([f], success="other")
+
+
+def test_relative_reward_files_resolve_against_the_config_folder_or_the_working_directory(tmp_path, monkeypatch):
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    (folder / "run.toml").write_text('[task]\nreward_funcs = ["rewards/mine.py:f", "pkg.mod:g", "exact"]\n')
+    config = load_config(folder / "run.toml")
+    assert config.task.reward_funcs == (f"{folder}/rewards/mine.py:f", "pkg.mod:g", "exact")
+    monkeypatch.chdir(tmp_path)
+    config = load_config(None, ["task.reward_funcs=mine.py:f,other.py", "task.reward_weights=1,0.5"])
+    assert config.task.reward_funcs == (f"{tmp_path}/mine.py:f", f"{tmp_path}/other.py")
+    assert config.task.reward_weights == (1.0, 0.5)
+
+
+def test_the_built_in_tasks_score_through_the_same_functions():
+    from grpo_kernels.train.tasks import make_task
+
+    arith = make_task("arith", format_weight=0.5)
+    assert arith.rewards.names == ["arith_correct", "arith_format"] and arith.rewards.weights == [1.0, 0.5]
+    e = Example(prompt="What is 2 + 2?", answer="4")
+    per_func = arith.rewards.score([e, e, e], ["4", "It is 4.", "5"], [[], [], []], step=0)
+    assert per_func.tolist() == [[1.0, 1.0], [1.0, 0.0], [0.0, 1.0]]
+    assert arith.rewards.combine(per_func).tolist() == [arith.reward(c, e) for c in ("4", "It is 4.", "5")]
+    assert [arith.correct(c, e) for c in ("4", "It is 4.", "5")] == [1.0, 1.0, 0.0]
+
+
+def test_an_async_function_that_never_awaits_again_is_still_stopped():
+    async def busy(completions, **kwargs):
+        await asyncio.sleep(0)
+        await asyncio.sleep(30)
+        return [1.0]
+
+    rewards = Rewards([RewardFunction("busy", busy, "test")], timeout_s=0.2)
+    with pytest.raises(RewardError, match="did not return within"):
+        rewards.score(_examples(["1"]), ["1"], [[1]], step=0)
+
+
+def test_a_function_that_returns_before_the_deadline_leaves_no_interrupt_behind():
+    def quick(completions, **kwargs):
+        return [1.0]
+
+    rewards = Rewards([RewardFunction("quick", quick, "test")], timeout_s=0.05)
+    for _ in range(20):
+        assert rewards.score(_examples(["1"]), ["1"], [[1]], step=0).tolist() == [[1.0]]
+        time.sleep(0.06)  # past the deadline of a call that has already returned: the timer was cancelled

@@ -36,14 +36,14 @@ class MultinomialDraw(sampler_module.SeededSampling):
 
 
 def patch() -> None:
-    """Training rollouts (`sample_scored` without a score function: evaluations score with `task.correct`) draw with
-    torch.multinomial; everything else is unchanged."""
+    """Training rollouts (`sample_scored` without evaluation=True) draw with torch.multinomial; everything else is
+    unchanged."""
     sample = sampling_module.sample_scored
 
-    def training_draws(sampler, tok, task, examples, g, seeds, d, *, score=None):
-        MultinomialDraw.drawing = score is None
+    def training_draws(sampler, tok, task, examples, g, seeds, d, **kwargs):
+        MultinomialDraw.drawing = not kwargs.get("evaluation")
         try:
-            return sample(sampler, tok, task, examples, g, seeds, d, score=score)
+            return sample(sampler, tok, task, examples, g, seeds, d, **kwargs)
         finally:
             MultinomialDraw.drawing = False
 

@@ -148,7 +148,7 @@ def test_worker_processes_give_the_same_values_and_log_metric(trl_file):
         pooled.close()
 
 
-@pytest.mark.parametrize("name, processes", [("hangs", 0), ("hangs_async", 0), ("sleeps", 1)])
+@pytest.mark.parametrize("name, processes", [("hangs", 0), ("sleeps", 0), ("hangs_async", 0), ("sleeps", 1)])
 def test_a_hung_reward_function_is_stopped_at_the_timeout(trl_file, name, processes):
     rewards = Rewards([load_reward_function(f"{trl_file}:{name}")], timeout_s=0.5, processes=processes)
     start = time.perf_counter()
@@ -267,3 +267,25 @@ def test_a_function_that_returns_before_the_deadline_leaves_no_interrupt_behind(
     for _ in range(20):
         assert rewards.score(_examples(["1"]), ["1"], [[1]], step=0).tolist() == [[1.0]]
         time.sleep(0.06)  # past the deadline of a call that has already returned: the timer was cancelled
+
+
+def test_the_built_in_tasks_import_neither_datasets_nor_math_verify():
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom grpo_kernels.train.build import task_examples\n"
+            "from grpo_kernels.train.config_io import load_config\n"
+            "for name in ('reverse', 'add', 'arith'):\n"
+            "    task, train, _ = task_examples(load_config(None, [f'task.name={name}']))\n"
+            "    task.rewards.score(train[:2], ['1', '2'], [[1], [2]], step=0)\n"
+            "print(sorted(m for m in ('datasets', 'math_verify') if m in sys.modules))\n")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]
+
+
+def test_the_math_verify_reward_compares_the_final_answers():
+    pytest.importorskip("math_verify")
+    f = load_reward_function("math_verify")
+    values = Rewards([f]).score(_examples(["1/2", "3"]), ["The answer is $\\frac{1}{2}$", "It is 4"], [[1], [2]],
+                                step=0)  # fmt: skip
+    assert values[:, 0].tolist() == [1.0, 0.0]

@@ -445,8 +445,9 @@ def _call_in_child(spec: str, kwargs: dict, state: dict, task_name: str):
 
 
 class _Deadline:
-    """task.reward_timeout_s for a plain call in the main thread: a timer interrupts the main thread when the call
-    runs past it (KeyboardInterrupt at its next bytecode), turned into a RewardError. Elsewhere: nothing."""
+    """task.reward_timeout_s for a plain call in the main thread: a timer sends the main thread SIGINT when the call
+    runs past it (KeyboardInterrupt, under Python's default handler), turned into a RewardError. Elsewhere:
+    nothing."""
 
     def __init__(self, timeout_s, f: RewardFunction, step: int):
         self.timeout_s, self.f, self.step = timeout_s, f, step
@@ -456,11 +457,13 @@ class _Deadline:
 
     def __enter__(self):
         if self.active:
-            import _thread
+            import signal
 
-            def fire():
+            target = threading.main_thread().ident
+
+            def fire():  # a real SIGINT to the main thread: it also ends a blocking call (a sleep, a socket read)
                 self.fired.set()
-                _thread.interrupt_main()
+                signal.pthread_kill(target, signal.SIGINT)
 
             self.timer = threading.Timer(self.timeout_s, fire)
             self.timer.daemon = True

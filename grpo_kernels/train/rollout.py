@@ -114,7 +114,10 @@ class Rollout:
         shape = (self.num_groups, self.group_size)
         if per_func is not None:
             per_func = torch.as_tensor(per_func, dtype=torch.float64)
-            per_func = per_func.reshape(*shape, per_func.numel() // max(1, r.numel()))
+            if per_func.dim() != 2 or per_func.shape[0] != r.numel():
+                raise ValueError(f"per_func must be [N, K] with N = {r.numel()} completions, got "
+                                 f"{tuple(per_func.shape)}")  # fmt: skip
+            per_func = per_func.reshape(*shape, per_func.shape[1])
         return replace(self, rewards=r.reshape(shape), rewards_per_func=per_func, advantages=None)
 
     def mask_truncated(self) -> "Rollout":

@@ -25,7 +25,7 @@ ARGS = ["--optim.steps=2", "--optim.lr=1e-2", "--sampling.group_size=8", "--samp
         "--task.num_train_prompts=16", "--model.hidden_size=32", "--model.num_layers=1", "--packing.token_budget=48",
         "--checkpoint.every=1", "--logging.completions_every=1"]  # fmt: skip
 SHARD = "__0_0.distcp"
-DROP = ("elapsed_s", "train_tokens_per_s", "train_step_s", "rollout_generate_s", "weight_sync_s")  # timings
+DROP = trainer.TIMING_METRICS
 
 
 @pytest.fixture(scope="module")

@@ -99,7 +99,7 @@ def test_a_killed_and_resumed_run_ends_like_an_uninterrupted_one(tmp_path, monke
     a, b = _metrics(full), _metrics(cut)
     assert [r["step"] for r in b] == [0, 1, 2, 3]
     assert len({r["group_size"] for r in a}) > 1, "the adaptive group size never moved: its state is untested"
-    drop = ("elapsed_s", "train_tokens_per_s", "train_step_s", "rollout_generate_s", "weight_sync_s")  # timings
+    drop = trainer.TIMING_METRICS
     assert [{k: v for k, v in r.items() if k not in drop} for r in a] == [
         {k: v for k, v in r.items() if k not in drop} for r in b
     ]

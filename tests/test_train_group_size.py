@@ -57,6 +57,7 @@ def test_dynamic_sampling_drops_exactly_the_groups_the_advantage_kernel_marks_in
     from grpo_kernels.advantages import group_advantages
     from grpo_kernels.train.config_io import load_config
     from grpo_kernels.train.fsdp import SINGLE
+    from grpo_kernels.train.rewards import RewardFunction, Rewards
     from grpo_kernels.train.rollout import Rollout
     from grpo_kernels.train.sampling import collect
     from grpo_kernels.train.tasks import Example
@@ -77,10 +78,15 @@ def test_dynamic_sampling_drops_exactly_the_groups_the_advantage_kernel_marks_in
             return Rollout(prompt_ids=[torch.tensor(p) for p in prompts for _ in range(g)], completion_ids=ids,
                            sampler_logps=[torch.zeros(2) for _ in ids], group_size=g)  # fmt: skip
 
-    class Task:
-        def reward(self, completion, example):
+    def table(completions, **kwargs):
+        out = []
+        for completion in completions:
             k, j = (int(x) for x in completion.split(","))
-            return group_rewards[names[k]][j]
+            out.append(group_rewards[names[k]][j])
+        return out
+
+    class Task:
+        rewards = Rewards([RewardFunction("table", table, "test")])
 
     examples = [Example(prompt=name, answer="") for name in names]
     config = load_config(None, ["--sampling.prompts_per_step=4", "--group_size.dynamic_sampling=true",

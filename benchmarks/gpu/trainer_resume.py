@@ -25,7 +25,7 @@ from grpo_kernels.train import checkpoint as run_checkpoints
 from grpo_kernels.train.config_io import load_config
 from grpo_kernels.train.step import Policy
 from grpo_kernels.train.tasks import CharTokenizer, tiny_model
-from grpo_kernels.train.trainer import train
+from grpo_kernels.train.trainer import TIMING_METRICS, train
 
 ARGS = ["--optim.steps=4", "--optim.lr=1e-2", "--sampling.group_size=8", "--sampling.prompts_per_step=2",
         "--sampling.max_new_tokens=4", "--sampling.sampler=hf", "--task.name=add", "--task.sft_warmup_steps=40",
@@ -33,7 +33,7 @@ ARGS = ["--optim.steps=4", "--optim.lr=1e-2", "--sampling.group_size=8", "--samp
         "--model.num_layers=1", "--packing.token_budget=48", "--checkpoint.every=2",
         "--logging.log_every=1"]  # fmt: skip
 # (the CSV's step is metrics.jsonl's, counted from 0: the replayed steps 3 and 4 are its 2 and 3)
-TIMINGS = ("elapsed_s", "train_tokens_per_s", "train_step_s", "rollout_generate_s", "weight_sync_s")
+TIMINGS = TIMING_METRICS
 FIELDS = ["step", "quantity", "largest_difference", "unit", "verdict"]
 
 

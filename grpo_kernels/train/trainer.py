@@ -36,7 +36,10 @@ from .sampling import HeldOut, collect, held_out, standard_error, with_standard_
 from .step import grpo_step, sft_warmup
 from .tasks import PromptStream
 
-__all__ = ["train"]
+__all__ = ["TIMING_METRICS", "train"]
+
+# The metrics that are wall-clock times (a replayed run has every other metric of its steps bit for bit)
+TIMING_METRICS = ("elapsed_s", "train_tokens_per_s", "train_step_s", "rollout_generate_s", "weight_sync_s", "reward_s")
 
 
 def train(config: TrainConfig, *, log=print) -> dict:

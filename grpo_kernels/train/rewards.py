@@ -6,7 +6,8 @@
 A spec is "module.path:function" or "path/to/file.py:function" (a file's folder goes on sys.path, so it may import
 its neighbours; a relative path was resolved when the config loaded: against the config file's folder, or the
 working directory for a command-line override). A file without ":function" means verl's default, `compute_score`.
-The names of the built-in rewards ("exact", "numeric", "math_verify", "arith_correct", "arith_format") are specs too.
+The names of the built-in rewards ("exact", "numeric", "math_verify", "arith_correct", "arith_format":
+grpo_kernels.train.rewards_builtin) are specs too.
 
 TRL's calling convention: keyword arguments `prompts`, `completions`, `completion_ids` (one entry per completion),
 every other column of the examples as a list (the built-in tasks have one, `answer`), `trainer_state` (its
@@ -36,7 +37,6 @@ import importlib.util
 import inspect
 import math
 import numbers
-import re
 import sys
 import threading
 import time
@@ -47,6 +47,7 @@ from types import SimpleNamespace
 import torch
 
 from .config_task import is_file_spec, resolve_spec
+from .rewards_builtin import BUILTIN, completion_text
 
 __all__ = ["BUILTIN", "RewardError", "RewardFunction", "Rewards", "load_reward_function", "resolve_spec"]
 
@@ -68,63 +69,6 @@ class RewardFunction:
     @property
     def is_async(self) -> bool:
         return inspect.iscoroutinefunction(self.func)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# The built-in rewards, in TRL's convention (the built-in tasks' own, and names for the JSONL task's task.reward).
-
-_INT = re.compile(r"-?\d+")
-_WHOLE_INT = re.compile(r"-?\d+\.?")
-
-
-def completion_text(completion) -> str:
-    """A completion as text: itself, or the content of TRL's conversational form (a list of messages)."""
-    if isinstance(completion, str):
-        return completion
-    return "".join(m["content"] for m in completion)
-
-
-def exact(completions, answer, **kwargs) -> list:
-    """1.0 when the completion, stripped, is the answer, else 0.0."""
-    return [float(completion_text(c).strip() == a.strip()) for c, a in zip(completions, answer, strict=True)]
-
-
-def numeric_match(text: str, answer: str) -> float:
-    """1.0 when both parse as the same number (int or float), else 0.0."""
-    try:
-        return float(abs(float(text.strip()) - float(answer.strip())) <= 1e-9 * max(1.0, abs(float(answer))))
-    except ValueError:
-        return 0.0
-
-
-def numeric(completions, answer, **kwargs) -> list:
-    """1.0 when the completion and the answer parse as the same number, else 0.0."""
-    return [numeric_match(completion_text(c), a) for c, a in zip(completions, answer, strict=True)]
-
-
-def math_verify(completions, answer, **kwargs) -> list:
-    """1.0 when math_verify finds the completion's answer equal to the reference, else 0.0."""
-    from math_verify import parse, verify
-
-    return [float(verify(parse(a), parse(completion_text(c)))) for c, a in zip(completions, answer, strict=True)]
-
-
-def arith_correct(completions, answer, **kwargs) -> list:
-    """1.0 when the last integer in the completion is the answer (the "arith" task's correctness)."""
-    out = []
-    for c, a in zip(completions, answer, strict=True):
-        numbers_ = _INT.findall(completion_text(c).replace(",", ""))
-        out.append(float(bool(numbers_) and int(numbers_[-1]) == int(a)))
-    return out
-
-
-def arith_format(completions, **kwargs) -> list:
-    """1.0 when the whole completion is one bare integer (the "arith" task's format bonus, weighted)."""
-    return [float(_WHOLE_INT.fullmatch(completion_text(c).strip()) is not None) for c in completions]
-
-
-BUILTIN = {"exact": exact, "numeric": numeric, "math_verify": math_verify, "arith_correct": arith_correct,
-           "arith_format": arith_format}  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ prompts.
 import random
 import string
 
-from . import rewards as _rewards
+from . import rewards_builtin
 from .data import Example, examples_from_rows, load_jsonl, load_rows
 from .rewards import Rewards, load_reward_function
 
@@ -75,10 +75,10 @@ class CharTokenizer:
 
 
 def exact_match(completion: str, answer: str) -> float:
-    return _rewards.exact([completion], [answer])[0]
+    return rewards_builtin.exact([completion], [answer])[0]
 
 
-numeric_match = _rewards.numeric_match
+numeric_match = rewards_builtin.numeric_match
 
 
 class Task:

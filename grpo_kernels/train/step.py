@@ -207,10 +207,10 @@ def grpo_step(policy, optimizer, rollout: Rollout, *, loss_options: dict, temper
     owner = 1.0 if dist.sp_rank == 0 else 0.0  # a sequence-parallel group's ranks hold the same values: count once
     summed = all_reduce_sum(torch.stack([local[k] for k in keys] + [tokens.to(device)]) * owner, dist)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    rewards = rollout.rewards.float().flatten()  # NaN: an unscorable completion, left out as TRL leaves it out
-    scored = (~rewards.isnan()).sum()
-    mean = rewards.nanmean()
-    reward_std = ((rewards - mean).square().nansum() / (scored - 1)).sqrt()  # unbiased, as TRL's; NaN for one
+    rewards = rollout.rewards.float().flatten()  # on the host: NaN (unscorable) left out as TRL leaves it out
+    rewards = rewards[~rewards.isnan()]
+    mean = rewards.mean() if rewards.numel() else rewards.new_tensor(float("nan"))
+    reward_std = rewards.std() if rewards.numel() > 1 else rewards.new_tensor(float("nan"))  # unbiased, as TRL's
     same = [norm, mean, reward_std, adv.invalid_fraction]  # identical on every rank
     tail = [] if extremes is None else [extremes]
     host = torch.cat([summed, torch.stack([t.detach().double().to(device) for t in same]), *tail]).tolist()  # 1 sync

@@ -75,6 +75,10 @@ def test_a_failed_rank_is_named_by_its_own_error_not_by_torchrun(tmp_path, how):
                 "kill": "a rank's exit code -9 (Signal 9 (SIGKILL))"}  # fmt: skip
     assert reason == expected[how], reason
     assert failure_reason(-9, "") == "no output; killed by signal 9"
+    both = ("Failures:\n[1]:\n  exitcode  : -15 (pid: 2)\n  traceback : Signal 15 (SIGTERM) received by PID 2\n"
+            "Root Cause (first observed failure):\n[0]:\n  exitcode  : -9 (pid: 1)\n"
+            "  traceback : Signal 9 (SIGKILL) received by PID 1\n")  # torchrun's summary when two ranks failed
+    assert failure_reason(1, both) == "a rank's exit code -9 (Signal 9 (SIGKILL))"
 
 
 def test_component_model_splits_the_fitted_slopes_and_scales_them_to_the_big_models():

@@ -190,8 +190,12 @@ def failure_reason(returncode: int, stderr: str) -> str:
     lines = [x.strip() for x in stderr.strip().splitlines()] or ["no output"]
     errors = [x for x in lines if ("Error" in x or "error:" in x or "Exception" in x) and "ChildFailedError" not in x
               and not x.startswith(("File ", "raise ", "Traceback"))]  # fmt: skip
-    cause = next((x.split(":", 1)[1].split("(pid")[0].strip() for x in lines if x.startswith("exitcode  :")), None)
-    signal = next((x.split(":", 1)[1].strip() for x in lines if x.startswith("traceback :") and "Signal" in x), None)
+    # torchrun lists the other ranks' failures first (often SIGTERM: it stops them) and the root cause last
+    root = next((i for i, x in enumerate(lines) if x.startswith("Root Cause")), 0)
+    cause = next((x.split(":", 1)[1].split("(pid")[0].strip() for x in lines[root:] if x.startswith("exitcode  :")),
+                 None)  # fmt: skip
+    signal = next((x.split(":", 1)[1].strip() for x in lines[root:] if x.startswith("traceback :") and "Signal" in x),
+                  None)  # fmt: skip
     text = [x for x in lines if x.strip("=-") and not x.startswith(("File ", "raise ", "^"))]
     parts = [errors[-1][:160]] if errors else [] if cause is not None else [(text or ["no output"])[-1][:160]]
     if cause is not None:

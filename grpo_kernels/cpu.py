@@ -16,8 +16,10 @@ _SWITCHES = (_C.set_cpu_simd, _C.set_logprobs_simd, _C.set_loss_simd)
 
 def simd(enabled: bool) -> None:
     """Turn the AVX-512 paths of all three ops on (where the CPU has them) or off."""
+    if not isinstance(enabled, bool):
+        raise ValueError(f"enabled must be a bool, got {enabled!r}")
     for switch in _SWITCHES:
-        switch(bool(enabled))
+        switch(enabled)
 
 
 def simd_enabled() -> bool:

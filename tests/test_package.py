@@ -116,3 +116,5 @@ def test_cpu_simd_turns_all_three_ops_avx512_paths_off_and_back_on():
         assert cpu.simd_enabled() == has_avx512 and all(s() == has_avx512 for s in switches)
     finally:
         cpu.simd(True)
+    with pytest.raises(ValueError, match="enabled must be a bool, got 'no'"):
+        cpu.simd("no")

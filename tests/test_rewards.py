@@ -289,3 +289,28 @@ def test_the_math_verify_reward_compares_the_final_answers():
     values = Rewards([f]).score(_examples(["1/2", "3"]), ["The answer is $\\frac{1}{2}$", "It is 4"], [[1], [2]],
                                 step=0)  # fmt: skip
     assert values[:, 0].tolist() == [1.0, 0.0]
+
+
+def test_bad_arguments_to_rewards_are_refused_naming_them(trl_file):
+    f = load_reward_function(f"{trl_file}:correct")
+    for kwargs, message in ((dict(weights=[float("nan")]), "task.reward_weights: finite numbers"),
+                            (dict(weights=["1"]), "task.reward_weights: finite numbers"),
+                            (dict(timeout_s=0), "task.reward_timeout_s: a number > 0"),
+                            (dict(processes=-1), "task.reward_processes: an int >= 0")):  # fmt: skip
+        with pytest.raises(RewardError, match=message):
+            Rewards([f], **kwargs)
+    with pytest.raises(ValueError, match=r"one example and one completion_ids entry per completion \(2\), got 1"):
+        Rewards([f]).score(_examples(["1"]), ["1", "2"], [[1], [2]], step=0)
+
+
+def test_more_reward_processes_than_cores_is_refused_before_the_run():
+    import os
+
+    from grpo_kernels.train import preflight
+
+    cores = len(os.sched_getaffinity(0))
+    config = load_config(None, [f"task.reward_processes={cores + 1}"])
+    with pytest.raises(ValueError, match=rf"task.reward_processes = {cores + 1} is more worker processes than the "
+                                         rf"{cores} CPU cores"):  # fmt: skip
+        preflight.check(config, "cpu")
+    assert preflight.check(load_config(None, [f"task.reward_processes={cores}"]), "cpu").task.reward_processes == cores

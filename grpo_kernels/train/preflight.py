@@ -21,7 +21,8 @@ def check(config, device_type: str):
 
     device_type: where the run trains ("cuda" or "cpu"). Resolved: model.dtype "auto" (bf16 on CUDA) and
     logging.report_to "all" (the installed trackers), so the run's config.toml names what it used. Refused: a
-    tracker whose package is missing, "offload" checkpointing off CUDA, and for a decoupled run a weight stream
+    tracker whose package is missing, "offload" checkpointing off CUDA, more reward worker processes than the cores
+    this process may use, and for a decoupled run a weight stream
     that cannot work here (nccl without CUDA, an address that does not resolve) and servers this host cannot hold."""
     from .config import for_device
     from .tracking import check_installed, installed_trackers
@@ -35,6 +36,10 @@ def check(config, device_type: str):
         raise ValueError(f'model.activation_checkpointing = "offload" needs a CUDA device (pinned host memory to '
                          f'offload to), this run trains on {device_type}: use "blocks", whose saved block inputs '
                          "already live in host memory there")  # fmt: skip
+    cores = len(os.sched_getaffinity(0))
+    if config.task.reward_processes > cores:
+        raise ValueError(f"task.reward_processes = {config.task.reward_processes} is more worker processes than the "
+                         f"{cores} CPU cores this process may use")  # fmt: skip
     if config.sampling.placement == "decoupled":
         check_transfer(config.sampling)
         if not config.sampling.server_urls:

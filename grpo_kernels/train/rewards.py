@@ -148,9 +148,16 @@ class Rewards:
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise RewardError(f"task.reward_funcs: two functions are named {twice[0]!r} (the metrics name each one)")
-        weights = [1.0] * len(functions) if weights is None else [float(w) for w in weights]
+        weights = [1.0] * len(functions) if weights is None else list(weights)
         if len(weights) != len(functions):
             raise RewardError(f"task.reward_weights: {len(weights)} weights for {len(functions)} reward functions")
+        if not all(isinstance(w, numbers.Real) and not isinstance(w, bool) and math.isfinite(w) for w in weights):
+            raise RewardError(f"task.reward_weights: finite numbers, got {weights}")
+        weights = [float(w) for w in weights]
+        if timeout_s is not None and not (isinstance(timeout_s, numbers.Real) and timeout_s > 0):
+            raise RewardError(f"task.reward_timeout_s: a number > 0 or None, got {timeout_s!r}")
+        if isinstance(processes, bool) or not isinstance(processes, int) or processes < 0:
+            raise RewardError(f"task.reward_processes: an int >= 0, got {processes!r}")
         if success is not None and success not in names:
             raise RewardError(f"task.success_reward: {success!r} is none of the reward functions ({', '.join(names)})")
         self.functions, self.names, self.weights = list(functions), names, weights
@@ -174,6 +181,9 @@ class Rewards:
     def _score(self, examples, completions, completion_ids, *, step: int, max_steps: int,
                record: bool) -> torch.Tensor:  # fmt: skip
         n = len(completions)
+        if len(examples) != n or len(completion_ids) != n:
+            raise ValueError(f"Rewards.score: one example and one completion_ids entry per completion ({n}), got "
+                             f"{len(examples)} and {len(completion_ids)}")  # fmt: skip
         columns = _columns(examples)
         kwargs = {"prompts": [e.prompt if isinstance(e.prompt, str) else list(e.prompt) for e in examples],
                   "completions": completions, "completion_ids": completion_ids, **columns,

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from benchmarks.common import t975
+from benchmarks.learning.intervals import clopper_pearson, fisher_exact, welch_difference
 from benchmarks.learning.sampler_distribution import (
     chi2_sf,
     chi_square,
@@ -144,3 +145,34 @@ def test_rollout_stats_within_group_and_across_rounds():
     assert out["distinct"] == [pytest.approx((1 / 4 + 1) / 2), pytest.approx((3 / 4 + 2 / 4) / 2)]
     assert out["group_mean_sd"] == [pytest.approx(0.75 / math.sqrt(2)), pytest.approx(0.5 / math.sqrt(2))]
     assert "group_mean_sd" not in rollout_stats(Task(), Tok(), examples, completions[:8], [False] * 8, 4)
+
+
+def test_the_difference_of_the_means_has_a_welch_interval():
+    # a = 1, 2, 3 (variance 1), b = 1, 1 (variance 0): se^2 = 1/3, Welch's dof = (1/3)^2 / ((1/3)^2 / 2) = 2
+    diff, half = welch_difference([1.0, 2.0, 3.0], [1.0, 1.0])
+    assert diff == 1.0 and half == pytest.approx(4.303 * (1 / 3) ** 0.5, rel=1e-3)
+    assert welch_difference([0.5, 0.5], [0.25, 0.25]) == (0.25, 0.0)
+    diff, half = welch_difference([0.5], [0.25, 0.75])
+    assert diff == 0.0 and half != half  # one value on a side: no interval (nan)
+
+
+@pytest.mark.parametrize("k, n, low, high", [(3, 5, 0.146633, 0.947255), (0, 10, 0.0, 0.308497),
+                                             (10, 10, 0.691503, 1.0), (7, 20, 0.153909, 0.592189),
+                                             (1, 1, 0.025, 1.0)])  # fmt: skip
+def test_clopper_pearson_matches_the_exact_binomial_interval(k, n, low, high):
+    # the beta quantiles Beta(k, n - k + 1) at 0.025 and Beta(k + 1, n - k) at 0.975, found by root-finding on
+    # mpmath's regularized incomplete beta at 30 digits (independent of the bisection on binomial sums tested)
+    assert clopper_pearson(k, n) == pytest.approx((low, high), abs=2e-6)
+    with pytest.raises(ValueError, match="0 <= k <= n"):
+        clopper_pearson(6, 5)
+
+
+@pytest.mark.parametrize("table, p", [((3, 5, 0, 5), 0.166667), ((6, 10, 2, 10), 0.169802),
+                                      ((0, 10, 10, 10), 1.082509e-05), ((2, 7, 2, 7), 1.0),
+                                      ((1, 12, 9, 14), 0.005304)])  # fmt: skip
+def test_fisher_exact_matches_the_two_sided_test(table, p):
+    # the two-sided p summed in exact rational arithmetic (fractions.Fraction) over the tables with these margins
+    assert fisher_exact(*table) == pytest.approx(p, rel=1e-4)
+    assert fisher_exact(*table) == pytest.approx(fisher_exact(*table[2:], *table[:2]), rel=1e-12)  # symmetric
+    with pytest.raises(ValueError, match="n >= 1"):
+        fisher_exact(0, 0, 1, 2)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.learning.intervals import mean_ci
 from grpo_kernels.train import build as build_module
 from grpo_kernels.train import sampling as sampling_module
 from grpo_kernels.train import trainer as trainer_module
@@ -245,15 +246,6 @@ def test_the_report_says_which_trl_runs_ran_in_micro_batches(tmp_path):
     assert learning_vs_trl.micro_batch_lines(tmp_path) == []  # all whole-step runs: nothing to say
 
 
-def test_the_difference_of_the_means_has_a_welch_interval():
-    # a = 1, 2, 3 (variance 1), b = 1, 1 (variance 0): se^2 = 1/3, Welch's dof = (1/3)^2 / ((1/3)^2 / 2) = 2
-    diff, half = learning_vs_trl.welch_difference([1.0, 2.0, 3.0], [1.0, 1.0])
-    assert diff == 1.0 and half == pytest.approx(4.303 * (1 / 3) ** 0.5, rel=1e-3)
-    assert learning_vs_trl.welch_difference([0.5, 0.5], [0.25, 0.25]) == (0.25, 0.0)
-    diff, half = learning_vs_trl.welch_difference([0.5], [0.25, 0.75])
-    assert diff == 0.0 and half != half  # one value on a side: no interval (nan)
-
-
 def test_the_report_pairs_seeds_both_trainers_ran_and_lists_each_run(tmp_path):
     rows = [{"trainer": t, "loss_type": "dapo", "seed": seed, "step": step, "eval_success": value, "wall_s": 10.0}
             for t, seed, values in (("trl", 0, (0.2, 0.4)), ("trl", 1, (0.2, 0.6)), ("grpo_kernels", 0, (0.2, 0.5)),
@@ -261,7 +253,7 @@ def test_the_report_pairs_seeds_both_trainers_ran_and_lists_each_run(tmp_path):
             for step, value in zip((-1, 3), values, strict=True)]  # fmt: skip
     text = "\n".join(learning_vs_trl.summary_lines(rows))
     # after step 4: seeds 0 and 1 in both, differences +0.1 and 0.0 (seed 2, ours alone, is not paired)
-    paired = learning_vs_trl.mean_ci([0.1, 0.0])
+    paired = mean_ci([0.1, 0.0])
     assert "| 4 | 0.500 ± 1.271 (2) | 0.400 ± " in text and f"+{paired[0]:.3f} ± {paired[1]:.3f} (2) |" in text
     for name, lengths in (("trl_dapo_seed0", '{"completions/mean_length": 9.5}\n{"completions/mean_length": 4.0}\n'),
                           ("grpo_kernels_dapo_seed0", '{"completion_length": 7.0}\n')):  # fmt: skip
@@ -272,3 +264,27 @@ def test_the_report_pairs_seeds_both_trainers_ran_and_lists_each_run(tmp_path):
     lines = learning_vs_trl.run_lines(tmp_path, rows)
     assert "| trl | dapo | 0 | 0.200 | 0.400 | 0.400 | 0.400 | 4.0 | 10 | 4700 |" in lines
     assert "| grpo_kernels | dapo | 0 | 0.200 | 0.500 | 0.500 | 0.500 | 7.0 | 10 |  |" in lines
+
+
+def test_the_endpoints_read_the_last_evaluation_and_count_collapses_at_any_step(tmp_path):
+    """endpoints.md: held-out success after the last step (Welch and paired) and the runs whose rollouts average
+    under 7 tokens at some step (not only the last), with exact intervals and Fisher's test."""
+    ends = {("trl", 0): 0.5, ("trl", 1): 0.6, ("trl", 2): 0.4, ("grpo_kernels", 0): 0.2, ("grpo_kernels", 1): 0.1,
+            ("grpo_kernels", 2): 0.15}  # fmt: skip
+    lengths = {("trl", 0): (9, 10), ("trl", 1): (9, 9), ("trl", 2): (9, 8), ("grpo_kernels", 0): (9, 3, 9),
+               ("grpo_kernels", 1): (3, 4), ("grpo_kernels", 2): (7.0, 7.5)}  # 7.0 is not under 7  # fmt: skip
+    rows = [{"trainer": t, "loss_type": "dapo", "seed": k, "step": step, "eval_success": value}
+            for (t, k), end in ends.items() for step, value in ((-1, 0.2), (3, 0.3), (7, end))]  # fmt: skip
+    for (t, k), values in lengths.items():
+        run = tmp_path / "runs" / f"{t}_dapo_seed{k}"
+        run.mkdir(parents=True)
+        key = "completions/mean_length" if t == "trl" else "completion_length"
+        run.joinpath("metrics.jsonl").write_text("".join(json.dumps({key: v}) + "\n" for v in values))
+    text = "\n".join(learning_vs_trl.endpoint_lines(tmp_path, rows))
+    welch = learning_vs_trl.welch_difference([0.2, 0.1, 0.15], [0.5, 0.6, 0.4])
+    paired = mean_ci([-0.3, -0.5, -0.25])
+    assert f"after step 8, ours - TRL: {welch[0]:+.3f} ± {welch[1]:.3f} (Welch, 3 against 3 seeds: resolved)" in text
+    assert f"paired by seed {paired[0]:+.3f} ± {paired[1]:.3f} (3 seeds: resolved)" in text
+    assert "trl: 0 of 3, exact 95 % interval 0.00-0.71." in text
+    assert "grpo_kernels: 2 of 3, exact 95 % interval 0.09-0.99 (seeds 0, 1)." in text
+    assert "p = 0.400" in text  # 2 of 3 against 0 of 3

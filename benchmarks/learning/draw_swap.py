@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # importable from a plain checkout too
 
 from benchmarks.common import ROOT
-from benchmarks.learning.vs_trl import mean_ci
+from benchmarks.learning.intervals import mean_ci
 
 RESULTS = ROOT / "benchmarks" / "results"
 ARMS = {  # name: (result directories, run-name prefix)

@@ -78,7 +78,7 @@ def rows_of(out: Path) -> list[dict]:
 
 def spread(values: list[float]) -> str:
     """`0.89 (0.84..0.93 over 5 seeds; mean ± 95 % t-interval 0.89 ± 0.04)`."""
-    from benchmarks.learning.vs_trl import mean_ci
+    from benchmarks.learning.intervals import mean_ci
 
     mean, half = mean_ci(values)
     if len(values) == 1:

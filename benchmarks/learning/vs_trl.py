@@ -45,11 +45,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # importable from a plain checkout too
 
-from benchmarks.common import ROOT, cpu_numbers, number_list, run_logged, run_pinned, t975, write_csv
+from benchmarks.common import ROOT, cpu_numbers, number_list, run_logged, run_pinned, write_csv
+from benchmarks.learning.intervals import clopper_pearson, fisher_exact, mean_ci, welch_difference
 
 OUT = ROOT / "benchmarks" / "results" / "learning_vs_trl"
 TRAINERS = ("trl", "grpo_kernels", "grpo_kernels_vllm", "trl_ourdraw", "grpo_kernels_hfdraw")  # last two: draws swapped
 RUN_FILES = ("metrics.jsonl", "eval.jsonl", "summary.json")
+COLLAPSE_TOKENS = 7  # a run whose rollouts average fewer tokens at some step answers bare guesses (endpoints.md)
 CURVE_COLUMNS = ["trainer", "loss_type", "seed", "step", "completions", "sampled_tokens", "generate_s", "train_s",
                  "wall_s", "eval_success"]  # fmt: skip
 DEFAULTS = dict(model="smollm2-135m", task="arith", difficulty=2, group_size=8, prompts_per_step=8, steps=40,
@@ -165,30 +167,6 @@ def _name(run: str) -> tuple:
     return trainer, loss_type, int(seed)
 
 
-def mean_ci(values: list[float]) -> tuple:
-    """(mean, half-width of the 95 % t-interval; nan for one value)."""
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return mean, float("nan")
-    var = sum((v - mean) ** 2 for v in values) / (n - 1)
-    return mean, t975(n - 1) * (var / n) ** 0.5
-
-
-def welch_difference(a: list[float], b: list[float]) -> tuple:
-    """(mean(a) - mean(b), half-width of its 95 % Welch interval; degrees of freedom rounded down), nan with fewer
-    than two values on a side."""
-    diff = sum(a) / len(a) - sum(b) / len(b)
-    if min(len(a), len(b)) < 2:
-        return diff, float("nan")
-    var = [sum((x - sum(v) / len(v)) ** 2 for x in v) / (len(v) - 1) / len(v) for v in (a, b)]
-    se2 = var[0] + var[1]
-    if se2 == 0:
-        return diff, 0.0
-    dof = se2**2 / (var[0] ** 2 / (len(a) - 1) + var[1] ** 2 / (len(b) - 1))
-    return diff, t975(max(1, math.floor(dof))) * se2**0.5
-
-
 def summary_lines(rows: list[dict]) -> list[str]:
     lines = []
     for loss_type in dict.fromkeys(r["loss_type"] for r in rows):
@@ -282,8 +260,8 @@ def report(results: Path, args) -> list[Path]:
     write_csv(rows, results / "curves.csv", CURVE_COLUMNS)
     failed = sorted(p.parent.name for p in (results / "runs").glob("*/failed.txt"))
     lines = ["# Learning vs TRL: the same GRPO run in trl.GRPOTrainer and grpo-kernels train", "",
-             f"Command: `{command_line(args, rows)}`", "", *micro_batch_lines(results),
-             *summary_lines(rows), *run_lines(results, rows)]  # fmt: skip
+             f"Command: `{command_line(args, rows)}`", "", *seed_lines(rows), *micro_batch_lines(results),
+             *endpoint_lines(results, rows), *summary_lines(rows), *run_lines(results, rows)]  # fmt: skip
     if failed:
         lines += ["## Runs that died", "", *[f"- {name}: see runs/{name}/failed.txt" for name in failed], ""]
     (results / "summary.md").write_text("\n".join(lines))
@@ -298,8 +276,7 @@ def run_lines(results: Path, rows: list[dict]) -> list[str]:
         trainer, loss_type, seed = _name(summary.parent.name)
         mine = [r["eval_success"] for r in rows if (r["trainer"], r["loss_type"], r["seed"]) == (trainer, loss_type,
                                                                                                 seed)]  # fmt: skip
-        key = "completions/mean_length" if trainer.startswith("trl") else "completion_length"
-        lengths = [float(m[key]) for m in _jsonl(summary.parent / "metrics.jsonl") if key in m]
+        lengths = completion_lengths(summary.parent, trainer)
         process = summary.parent / "process.json"
         peak = json.loads(process.read_text())["peak_rss_mib"] if process.exists() else ""
         wall = next((r["wall_s"] for r in reversed(rows) if (r["trainer"], r["loss_type"], r["seed"]) ==
@@ -314,6 +291,56 @@ def run_lines(results: Path, rows: list[dict]) -> list[str]:
             "(MiB)._", "",
             "| trainer | loss | seed | start | first eval | end | best | shortest mean completion | s | peak MiB |",
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|", *out, ""]  # fmt: skip
+
+
+def completion_lengths(run: Path, trainer: str) -> list[float]:
+    """The mean completion length of each step's rollouts, in tokens."""
+    key = "completions/mean_length" if trainer.startswith("trl") else "completion_length"
+    return [float(m[key]) for m in _jsonl(run / "metrics.jsonl") if key in m]
+
+
+def endpoint_lines(results: Path, rows: list[dict]) -> list[str]:
+    """The endpoints fixed before the default recipe's seeds 5-9 ran (endpoints.md): per loss type, held-out success
+    after the last step (ours - TRL, Welch and paired) and the collapse rate per trainer (a run whose rollouts average
+    under COLLAPSE_TOKENS tokens at any step) with exact intervals and Fisher's exact test."""
+    lines = []
+    for loss_type in dict.fromkeys(r["loss_type"] for r in rows):
+        last = max(r["step"] for r in rows if r["loss_type"] == loss_type)
+        end = {t: {r["seed"]: r["eval_success"] for r in rows
+                   if (r["trainer"], r["loss_type"], r["step"]) == (t, loss_type, last)}
+               for t in ("trl", "grpo_kernels")}  # fmt: skip
+        if not end["trl"] or not end["grpo_kernels"]:
+            continue
+        welch = welch_difference(list(end["grpo_kernels"].values()), list(end["trl"].values()))
+        common = sorted(set(end["trl"]) & set(end["grpo_kernels"]))
+        paired = mean_ci([end["grpo_kernels"][k] - end["trl"][k] for k in common])
+        resolved = lambda d: "resolved" if abs(d[0]) > d[1] else "not resolved"  # noqa: E731 (nan: not resolved)
+        lines += [f"## Endpoints, loss {loss_type}", "",
+                  f"- Held-out success after step {last + 1}, ours - TRL: {welch[0]:+.3f} ± {welch[1]:.3f} (Welch, "
+                  f"{len(end['grpo_kernels'])} against {len(end['trl'])} seeds: {resolved(welch)}); paired by seed "
+                  f"{paired[0]:+.3f} ± {paired[1]:.3f} ({len(common)} seeds: {resolved(paired)})."]  # fmt: skip
+        counts = {}
+        for t in ("trl", "grpo_kernels"):
+            runs = {seed: results / "runs" / f"{t}_{loss_type}_seed{seed}" for seed in sorted(end[t])}
+            collapsed = [k for k, run in runs.items() if min(completion_lengths(run, t), default=math.inf)
+                         < COLLAPSE_TOKENS]  # fmt: skip
+            counts[t] = len(collapsed), len(end[t])
+            low, high = clopper_pearson(*counts[t])
+            lines.append(f"- Collapsed (rollouts under {COLLAPSE_TOKENS} tokens on average at some step), {t}: "
+                         f"{counts[t][0]} of {counts[t][1]}, exact 95 % interval {low:.2f}-{high:.2f}"
+                         + (f" (seeds {', '.join(map(str, collapsed))})." if collapsed else "."))  # fmt: skip
+        p = fisher_exact(*counts["grpo_kernels"], *counts["trl"])
+        lines += [f"- The collapse rates compared (Fisher's exact test, two-sided): p = {p:.3f}.", ""]
+    return lines
+
+
+def seed_lines(rows: list[dict]) -> list[str]:
+    """The seeds each trainer ran, per loss type (they need not be the same)."""
+    ran = {}
+    for r in rows:
+        ran.setdefault((r["trainer"], r["loss_type"]), set()).add(r["seed"])
+    return ["Seeds that ran: " + "; ".join(f"{t} {loss}: {', '.join(map(str, sorted(seeds)))}"
+                                           for (t, loss), seeds in ran.items()) + ".", ""]  # fmt: skip
 
 
 def micro_batch_lines(results: Path) -> list[str]:

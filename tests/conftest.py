@@ -78,7 +78,7 @@ TRITON_INTERPRETER_PATCHED_ONCE = (
 # Modules whose tests run on one worker, one at a time (pytest-xdist's --dist loadgroup): those that start several
 # processes of their own (torchrun ranks, spawned workers, the benchmark runners), the vLLM modules whose
 # module-scoped fixture (a converted model, an engine, a rollout server) would otherwise be built once per worker,
-# and the learning check, whose runs share each seed's SFT warm start within a process (tests/learning_check.py).
+# and the learning check, whose runs share one SFT warm start within a process (tests/learning_check.py).
 # The other vLLM tests are spread over both workers (at most two engines or servers at once, a few GiB each): as one
 # group they were the suite's critical path (~980 s of CPU on one worker, each `vllm serve` start ~35-50 s of CPU).
 XDIST_GROUPS = {

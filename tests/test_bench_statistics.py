@@ -176,3 +176,19 @@ def test_fisher_exact_matches_the_two_sided_test(table, p):
     assert fisher_exact(*table) == pytest.approx(fisher_exact(*table[2:], *table[:2]), rel=1e-12)  # symmetric
     with pytest.raises(ValueError, match="n >= 1"):
         fisher_exact(0, 0, 1, 2)
+
+
+def test_the_learning_checks_failure_rates_from_calibration_gains():
+    """tests/learning_check.py's fail_rates: how often a check of n seeds drawn like the calibration's would fail."""
+    from learning_check import fail_rates
+
+    gains = [0.1, 0.3] * 10  # mean 0.2, sd 0.1026 (n - 1)
+    r = fail_rates(gains, n=4, threshold=0.14, draws=20_000)
+    sd = (sum((g - 0.2) ** 2 for g in gains) / 19) ** 0.5
+    assert r["mean"] == pytest.approx(0.2) and r["sd"] == pytest.approx(sd)
+    assert r["normal"] == pytest.approx(0.5 * math.erfc((0.2 - 0.14) / (sd / 2) / math.sqrt(2)), rel=1e-9)
+    # resampling four of {0.1, 0.3}: the mean is under 0.14 only with four 0.1s (three make 0.15)
+    assert r["resampled"] == pytest.approx(1 / 16, abs=0.01)
+    assert (r["sets_failed"], r["sets"]) == (0, 5)  # each set of four consecutive gains: mean 0.2
+    assert fail_rates([0.2] * 6, n=6, threshold=0.12)["normal"] == 0.0  # no spread: the mean decides
+    assert fail_rates([0.1] * 6, n=6, threshold=0.12)["normal"] == 1.0

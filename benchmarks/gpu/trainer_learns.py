@@ -3,11 +3,11 @@
     torchrun --standalone --nproc_per_node=1 -m benchmarks.gpu.trainer_learns --out DIR            # GPU, < 5 min
     torchrun --standalone --nproc_per_node=1 -m benchmarks.gpu.trainer_learns --dry-run --out DIR  # CPU, gloo, ~30 s
 
-Each seed is tests/learning_check.py's run (the tiny decoder on single-digit addition: SFT warm start, then DAPO with
-G = 8, 16 prompts per step, two optimizer iterations per rollout, 256 held-out prompts before and after RL), here on
-the GPU: the HF sampler on CUDA, packed attention and the fused LM-head loss inside the trainer, the process group
-over NCCL, and the trainer's default model.dtype ("auto": bf16 compute on CUDA, where the CPU check runs fp32; the
-CSV names it). The stage passes when the mean held-out gain over the seeds reaches the CPU check's threshold
+Each seed is tests/learning_check.py's run (the tiny decoder on single-digit addition: one shared SFT warm start,
+then DAPO with G = 8, 16 prompts per step, two optimizer iterations per rollout, 256 held-out prompts before and after
+RL), here on the GPU: the HF sampler on CUDA, packed attention and the fused LM-head loss inside the trainer, the
+process group over NCCL, and the trainer's default model.dtype ("auto": bf16 compute on CUDA, where the CPU check runs
+fp32; the CSV names it). The stage passes when the mean held-out gain over the seeds reaches the CPU check's threshold
 (learning_check.MIN_MEAN_GAIN). Writes DIR/trainer_learns.csv (a row per seed and one verdict row) and, per seed,
 DIR/learns_seed<N>/ (the run directory as on the CPU: config.toml, metrics.jsonl, summary.json). The dry run takes one
 seed through a few steps on the CPU (gloo) to check the stage end to end; its gain means nothing.
@@ -28,7 +28,6 @@ sys.path.insert(0, str(ROOT / "tests"))  # learning_check: the CI check's config
 import learning_check  # noqa: E402
 
 from grpo_kernels.train.config_io import load_config  # noqa: E402
-from grpo_kernels.train.trainer import train  # noqa: E402
 
 FIELDS = ["seed", "device", "backend", "dtype", "eval_start", "eval_end", "gain", "seconds", "verdict"]
 DRY_RUN = ("--task.sft_warmup_steps=4", "--optim.steps=2", "--task.num_eval_prompts=16",
@@ -37,10 +36,8 @@ DRY_RUN = ("--task.sft_warmup_steps=4", "--optim.steps=2", "--task.num_eval_prom
 
 def run_seed(seed: int, out: Path, dry: bool) -> dict:
     run_dir = out / f"learns_seed{seed}"
-    overrides = [*learning_check.overrides(seed, run_dir), *(DRY_RUN if dry else ())]
-    config = load_config(None, overrides)
     start = time.perf_counter()
-    summary = train(config, log=lambda *a, **k: None)
+    summary = learning_check.run(seed, run_dir, DRY_RUN if dry else ())  # from the check's shared warm start
     dtype = load_config(run_dir / "config.toml").model.dtype  # what model.dtype "auto" chose on this device
     return dict(seed=seed, dtype=dtype, eval_start=summary["eval_success_start"], eval_end=summary["eval_success_end"],
                 gain=summary["eval_success_end"] - summary["eval_success_start"],

@@ -205,14 +205,14 @@ CLAIMS = ("The group-size study this project follows (a 70B model on 64 H100s, p
 
 
 def _tables_of(md: Path) -> tuple[str, list]:
-    """(the command line, the table lines) of a study's generated report."""
+    """(the command line, the tables, lists, headings and paragraphs) of a study's generated report."""
     text = md.read_text().splitlines()
     command = next((line.split("`")[1] for line in text if line.startswith("Command: `")), "")
     lines = []
     for line in text:
-        if line.startswith("|"):
+        if line.startswith(("|", "- ")):  # a table's row or a list's item
             lines.append(line)
-        elif line.startswith(("## ", "**In progress", "_")):  # a heading or a paragraph: blank lines around it
+        elif line.startswith(("## ", "**In progress", "_", "Seeds that ran:")):  # a heading or a paragraph
             lines += ([""] if lines else []) + [line, ""]
     return command, lines
 

@@ -219,3 +219,20 @@ def test_render_shows_the_learning_vs_trl_study_from_its_report(tmp_path):
     assert "(`python -m benchmarks.learning.vs_trl`;" in section and "### loss dapo" in section
     assert "| 4 | 0.4 ± 0.1 (3) | 0.5 ± 0.1 (3) | ok |" in section and "Held-out success ..." not in section
     assert section.index("| 4 | 0.4") < section.index("Reading, by hand: they learn alike.")
+
+
+def test_readme_learning_section_carries_the_endpoints_and_the_seeds_that_ran(tmp_path):
+    """The learning-vs-TRL report's endpoint list and its seeds line reach the performance page with its tables."""
+    from benchmarks import readme
+
+    (tmp_path / "learning_vs_trl").mkdir()
+    (tmp_path / "learning_vs_trl" / "summary.md").write_text("\n".join([
+        "# Learning vs TRL", "", "Command: `python -m benchmarks.learning.vs_trl --seeds 0-9`", "",
+        "Seeds that ran: grpo_kernels dapo: 0, 1; trl dapo: 0.", "", "## Endpoints, loss dapo", "",
+        "- Held-out success after step 40, ours - TRL: +0.010 ± 0.100.", "- Collapsed, trl: 0 of 1.", "",
+        "## loss dapo", "", "| after step | trl |", "|---:|---|", "| 40 | 0.5 |", ""]))  # fmt: skip
+    text = "\n".join(readme.learning_vs_trl_section(tmp_path))
+    assert "`python -m benchmarks.learning.vs_trl --seeds 0-9`" in text
+    assert "\n\nSeeds that ran: grpo_kernels dapo: 0, 1; trl dapo: 0.\n\n" in text
+    assert ("### Endpoints, loss dapo\n\n- Held-out success after step 40, ours - TRL: +0.010 ± 0.100.\n"
+            "- Collapsed, trl: 0 of 1.\n\n### loss dapo\n\n| after step | trl |") in text  # fmt: skip

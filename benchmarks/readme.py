@@ -256,6 +256,16 @@ def learning_vs_trl_section(results: Path, name: str = "learning_vs_trl",
     return lines
 
 
+def learning_check_section(results: Path) -> list:
+    """The CI learning check's calibration (tests/learning_check.py): its report, under the page's own heading."""
+    md = results / "learning_check" / "calibration.md"
+    if not md.exists():
+        return []
+    body = md.read_text().strip().splitlines()[1:]  # the report without its title
+    return ["**The CI learning check, calibrated** (`tests/learning_check.py`; rows in "
+            "`benchmarks/results/learning_check/calibration.csv`).", *body, ""]
+
+
 def profile_section(results: Path) -> list:
     """Where a long-chain step's time goes (benchmarks/long_chains/profile_step.py), from its own report and the reading
     beside it."""
@@ -323,6 +333,7 @@ def render(results: Path = RESULTS) -> str:
     lines += learning_vs_trl_section(results)
     lines += learning_vs_trl_section(results, "learning_vs_trl_format_weight0",
                                      "the same run without the bare-integer bonus (task.format_weight = 0)")
+    lines += learning_check_section(results)
     lines += profile_section(results)
     lines += gpu_section(sorted(p for p in results.glob("gpu_check_*.csv") if "dry-run" not in p.name))
     return "\n".join(lines).rstrip() + "\n"

@@ -236,3 +236,14 @@ def test_readme_learning_section_carries_the_endpoints_and_the_seeds_that_ran(tm
     assert "\n\nSeeds that ran: grpo_kernels dapo: 0, 1; trl dapo: 0.\n\n" in text
     assert ("### Endpoints, loss dapo\n\n- Held-out success after step 40, ours - TRL: +0.010 ± 0.100.\n"
             "- Collapsed, trl: 0 of 1.\n\n### loss dapo\n\n| after step | trl |") in text  # fmt: skip
+
+
+def test_readme_shows_the_learning_checks_calibration_under_its_own_heading(tmp_path):
+    from benchmarks import readme
+
+    assert readme.learning_check_section(tmp_path) == []  # no calibration: no section
+    (tmp_path / "learning_check").mkdir()
+    (tmp_path / "learning_check" / "calibration.md").write_text("# Its title\n\nHow it ran.\n\n```\nrates\n```\n")
+    lines = readme.learning_check_section(tmp_path)
+    assert lines[0].startswith("**The CI learning check, calibrated**") and "# Its title" not in lines
+    assert lines[1:] == ["", "How it ran.", "", "```", "rates", "```", ""]

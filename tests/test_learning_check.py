@@ -1,8 +1,9 @@
 """The learning check (tests/learning_check.py) passes on this code and fails on a weak learner (lr WEAK_LR, about
 0.6x the gain) and on three ways of breaking GRPO: the advantage's sign flipped, the ratio clip removed at a large lr,
 old log-probs taken from the wrong step. Each is a real training run of the check's seeds from the shared SFT warm
-start, but for the flipped sign: one seed, since every flipped seed ends far below where it started
-(tests/learning_check.py), while the other variants are judged on the seeds' mean, as the check is."""
+start, but for the flipped sign (one seed) and the stale log-probs (two): every one of their calibration seeds ended
+below where it started (-0.24 and -0.13 on average, benchmarks/results/learning_check/), far under the threshold,
+while the weak learner and the no-clip run are judged on the six seeds' mean, as the check is."""
 
 import pytest
 from learning_check import (
@@ -44,7 +45,7 @@ def test_the_learning_check_fails_without_the_ratio_clip(tmp_path):
 def test_the_learning_check_fails_with_old_logprobs_from_the_wrong_step(tmp_path):
     calls = []
     with stale_old_logprobs(calls=calls):
-        ok, why = verdict(gains(tmp_path))
+        ok, why = verdict(gains(tmp_path, seeds=SEEDS[:2]))
     assert not ok, why
     assert len(calls) > STALE_LAG  # the old log-probs went through the stand-in
 

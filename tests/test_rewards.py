@@ -314,3 +314,28 @@ def test_more_reward_processes_than_cores_is_refused_before_the_run():
                                          rf"{cores} CPU cores"):  # fmt: skip
         preflight.check(config, "cpu")
     assert preflight.check(load_config(None, [f"task.reward_processes={cores}"]), "cpu").task.reward_processes == cores
+
+
+def test_the_timeout_stops_a_hung_function_where_sigint_is_ignored(trl_file, tmp_path):
+    """A process started in the background by a shell inherits SIGINT ignored; the timeout still stops a hung call
+    there (it hung the run before), and SIGINT is ignored again after the call."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import signal\n"
+        "from grpo_kernels.train.rewards import RewardError, Rewards, load_reward_function\n"
+        "from grpo_kernels.train.tasks import Example\n"
+        f"rewards = Rewards([load_reward_function({str(trl_file) + ':hangs'!r})], timeout_s=0.5)\n"
+        "try:\n"
+        "    rewards.score([Example(prompt='q0', answer='1')], ['1'], [[1]], step=3)\n"
+        "except RewardError as e:\n"
+        "    print('stopped:', e)\n"
+        "print('ignored after:', signal.getsignal(signal.SIGINT) is signal.SIG_IGN)\n"
+    )  # fmt: skip
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # fmt: skip
+    assert "stopped: reward function 'hangs'" in out.stdout, out.stdout + out.stderr
+    assert "ignored after: True" in out.stdout

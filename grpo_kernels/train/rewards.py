@@ -400,8 +400,9 @@ def _call_in_child(spec: str, kwargs: dict, state: dict, task_name: str):
 
 class _Deadline:
     """task.reward_timeout_s for a plain call in the main thread: a timer sends the main thread SIGINT when the call
-    runs past it (KeyboardInterrupt, under Python's default handler), turned into a RewardError. Elsewhere:
-    nothing."""
+    runs past it (KeyboardInterrupt, under Python's default handler), turned into a RewardError. Where SIGINT is
+    ignored (a process a shell started in the background inherits that), Python's handler is put back for the call
+    and the ignoring after it: else a hung call would hang the run. Elsewhere: nothing."""
 
     def __init__(self, timeout_s, f: RewardFunction, step: int):
         self.timeout_s, self.f, self.step = timeout_s, f, step
@@ -410,9 +411,12 @@ class _Deadline:
         self.timer = None
 
     def __enter__(self):
+        self.restore = None
         if self.active:
             import signal
 
+            if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # as a shell leaves a job it starts in the background
+                self.restore = signal.signal(signal.SIGINT, signal.default_int_handler)  # for this call only
             target = threading.main_thread().ident
 
             def fire():  # a real SIGINT to the main thread: it also ends a blocking call (a sleep, a socket read)
@@ -425,15 +429,21 @@ class _Deadline:
         return self
 
     def __exit__(self, kind, value, tb):
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer.join()
-        if kind is KeyboardInterrupt and self.fired.is_set():
-            raise RewardError(f"reward function {self.f.name!r} ({self.f.spec}) did not return within "
-                              f"task.reward_timeout_s = {self.timeout_s} s at step {self.step} (interrupted)") from None
-        if kind is None and self.fired.is_set():  # fired as the call returned: the interrupt is still pending
-            try:
-                threading.Event().wait(0.05)
-            except KeyboardInterrupt:
-                pass
-        return False
+        try:
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer.join()
+            if kind is KeyboardInterrupt and self.fired.is_set():
+                raise RewardError(f"reward function {self.f.name!r} ({self.f.spec}) did not return within task."
+                                  f"reward_timeout_s = {self.timeout_s} s at step {self.step} (interrupted)") from None
+            if kind is None and self.fired.is_set():  # fired as the call returned: the interrupt is still pending
+                try:
+                    threading.Event().wait(0.05)
+                except KeyboardInterrupt:
+                    pass
+            return False
+        finally:
+            if self.restore is not None:
+                import signal
+
+                signal.signal(signal.SIGINT, self.restore)

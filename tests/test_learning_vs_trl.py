@@ -288,3 +288,20 @@ def test_the_endpoints_read_the_last_evaluation_and_count_collapses_at_any_step(
     assert "trl: 0 of 3, exact 95 % interval 0.00-0.71." in text
     assert "grpo_kernels: 2 of 3, exact 95 % interval 0.09-0.99 (seeds 0, 1)." in text
     assert "p = 0.400" in text  # 2 of 3 against 0 of 3
+
+
+def test_the_study_runs_its_recipe_bonus_whatever_the_tasks_default(tmp_path):
+    """The default recipe (endpoints.md) is arith with the bare-integer bonus at 0.2: both trainers get it explicitly,
+    and the summary's command says it, now that the task's own default is 0."""
+    from grpo_kernels.train.config_io import load_config
+    from grpo_kernels.train.tasks import make_task
+
+    assert make_task("arith").FORMAT_WEIGHT == 0.0
+    args = learning_vs_trl.parse_args([])
+    for trainer in ("grpo_kernels", "trl"):
+        config = load_config(None, learning_vs_trl.overrides(args, trainer, "dapo", 0, tmp_path))
+        assert config.task.name == "arith" and config.task.format_weight == 0.2
+    rows = [dict(trainer="trl", loss_type="dapo", seed=0)]
+    assert " --format-weight 0.2 " in learning_vs_trl.command_line(args, rows)
+    assert learning_vs_trl.parse_args(["--format-weight", "0"]).format_weight == 0.0
+    assert learning_vs_trl.parse_args(["--task", "add"]).format_weight is None  # no bonus to give

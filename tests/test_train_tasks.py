@@ -154,8 +154,8 @@ def test_jsonl_deeply_nested_line_is_one_error_not_a_recursion_traceback(tmp_pat
     assert CharTokenizer().encode_prompt("1+1=") == CharTokenizer().encode("1+1=", bos=True)
 
 
-def test_arith_task_rewards_correctness_plus_a_format_bonus():
-    task = make_task("arith", difficulty=1)
+def test_arith_task_rewards_correctness_plus_a_format_bonus_when_asked():
+    task = make_task("arith", difficulty=1, format_weight=0.2)
     examples = task.examples(300, seed=3)
     assert examples == task.examples(300, seed=3)
     for e in examples:
@@ -169,8 +169,9 @@ def test_arith_task_rewards_correctness_plus_a_format_bonus():
     assert task.reward(f"{e.answer} or {int(e.answer) + 1}", e) == 0.0  # the last number counts
     assert task.reward(str(int(e.answer) + 1), e) == bonus and task.correct(str(int(e.answer) + 1), e) == 0.0
     assert task.reward("", e) == 0.0 and task.reward("I do not know", e) == 0.0
-    plain = make_task("arith", difficulty=1, format_weight=0.0)  # correctness alone: no pay for a bare guess
-    assert plain.reward(e.answer, e) == 1.0 and plain.reward(str(int(e.answer) + 1), e) == 0.0
+    for plain in (make_task("arith", difficulty=1), make_task("arith", format_weight=0.0)):  # default: no bonus
+        assert plain.reward(e.answer, e) == 1.0 and plain.reward(str(int(e.answer) + 1), e) == 0.0
+        assert plain.rewards.weights == [1.0, 0.0]
     assert make_task("arith", format_weight=0.5).reward(e.answer, e) == 1.5
     for bad in (-0.1, 1.5, True, "0.2"):
         with pytest.raises(ValueError, match="format_weight must be a number in"):

@@ -495,7 +495,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--eval-prompts", type=int, default=128, help="--learning: held-out prompts")
     parser.add_argument("--lr", type=float, default=2e-5, help="--learning: learning rate")
     parser.add_argument("--format-weight", type=float,
-                        help="--learning: arith's bare-integer bonus (task.format_weight; default: the task's 0.2); "
+                        help="--learning: arith's bare-integer bonus (task.format_weight; default: the task's own, 0); "
                              "its own results directory, <model>_format_weight<W>")
     parser.add_argument("--adaptive-threshold", type=float, default=0.5,
                         help="--learning: group_size.invalid_rate_threshold of the adaptive setting")

@@ -177,6 +177,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--task", default="arith")
     parser.add_argument("--difficulty", type=int, default=2)
+    parser.add_argument("--format-weight", type=float, help="arith's bare-integer bonus in the rewards compared "
+                        "(default for arith: 0.2, the weight of the committed tables; the task's own default is 0)")
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--prompts", type=int, default=96)
@@ -187,6 +189,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    if args.format_weight is None and args.task == "arith":
+        args.format_weight = 0.2
     if min(args.prompts, args.group_size, args.draws) < 2 or args.contexts == 1 or args.contexts < 0:
         raise SystemExit("sampler-distribution: --prompts, --group-size and --draws must be >= 2, --contexts 0 "
                          "(no token check) or >= 2")
@@ -201,7 +205,9 @@ def main(argv=None) -> int:
     from grpo_kernels.train.tasks import PromptStream
 
     config = load_config(None, [f"--model.name={args.model}", f"--task.name={args.task}",
-                                f"--task.difficulty={args.difficulty}", f"--seed={args.seed}"])  # fmt: skip
+                                f"--task.difficulty={args.difficulty}", f"--seed={args.seed}",
+                                *([f"--task.format_weight={args.format_weight}"] if args.format_weight is not None
+                                  else [])])  # fmt: skip
     path = resolve_model(args.model) or args.model
     model, tok = load_policy(path, attn_implementation="sdpa")
     tok.set_prompt_format(chat_template=True, system_prompt=config.task.system_prompt)
@@ -242,7 +248,9 @@ def main(argv=None) -> int:
 
     lines = ["# Sampler distribution: our HF sampler against HF's own sampling", "",
              f"Command: `python -m benchmarks.learning.sampler_distribution --model {args.model} --task {args.task} "
-             f"--difficulty {args.difficulty} --temperature {args.temperature} --max-new-tokens {args.max_new_tokens} "
+             f"--difficulty {args.difficulty}"
+             + (f" --format-weight {args.format_weight:g}" if args.format_weight is not None else "")
+             + f" --temperature {args.temperature} --max-new-tokens {args.max_new_tokens} "
              f"--prompts {args.prompts} --group-size {g} --rounds {R} --contexts {args.contexts} --draws {args.draws} "
              f"--seed {args.seed}` ({seconds:.0f} s on {device_name('cpu')})", ""]  # fmt: skip
     if args.contexts:

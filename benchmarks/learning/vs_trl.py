@@ -9,7 +9,7 @@ loss types, held-out success every few steps evaluated by the same code.
 
 The run (defaults): SmolLM2-135M-Instruct (`grpo-kernels prepare-model smollm2-135m`, done on first use), the built-in
 "arith" task at difficulty 2 (base held-out success ~0.17 at temperature 0.7) with its chat template and reward, the
-bare-integer bonus at 0.2 (--format-weight; the task's own default is 0), G = 8,
+bare-integer bonus at 0.2 (--format-weight; ARITH_FORMAT_WEIGHT_COMMITTED; the task's own default is 0), G = 8,
 8 prompts per step, temperature 0.7, 24 new tokens, AdamW lr 2e-5 (betas 0.9 / 0.95, no weight decay), grad clip 1,
 constant lr, no warm-up, beta 0, epsilon 0.2 / 0.28, fp32, HF `generate` as the sampler of both (the "grpo_kernels_vllm"
 trainer samples with vLLM instead, an extra row; "trl_ourdraw" is TRL drawing its rollouts from our random stream, the
@@ -46,7 +46,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # importable from a plain checkout too
 
-from benchmarks.common import ROOT, cpu_numbers, number_list, run_logged, run_pinned, write_csv
+from benchmarks.common import (
+    ARITH_FORMAT_WEIGHT_COMMITTED,
+    ROOT,
+    cpu_numbers,
+    number_list,
+    run_logged,
+    run_pinned,
+    write_csv,
+)
 from benchmarks.learning.intervals import clopper_pearson, fisher_exact, mean_ci, welch_difference
 
 OUT = ROOT / "benchmarks" / "results" / "learning_vs_trl"
@@ -59,7 +67,7 @@ CURVE_COLUMNS = ["trainer", "loss_type", "seed", "step", "completions", "sampled
 # study's decision moved it to 0), explicit so that a change of the task's default does not change the study.
 DEFAULTS = dict(model="smollm2-135m", task="arith", difficulty=2, group_size=8, prompts_per_step=8, steps=40,
                 eval_every=4, eval_prompts=256, temperature=0.7, max_new_tokens=24, lr=2e-5, epsilon_high=0.28,
-                format_weight=0.2)  # fmt: skip
+                format_weight=ARITH_FORMAT_WEIGHT_COMMITTED)  # fmt: skip
 QUICK = dict(DEFAULTS, model=None, task="add", difficulty=1, group_size=4, prompts_per_step=2, steps=2, eval_every=2,
              eval_prompts=8, temperature=1.0, max_new_tokens=4, lr=1e-3, seeds="0", loss_types="dapo",
              format_weight=None)  # fmt: skip

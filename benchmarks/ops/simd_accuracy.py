@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import ROOT, device_name
+from benchmarks.common import ARITH_FORMAT_WEIGHT_COMMITTED, ROOT, device_name
 from grpo_kernels import cpu, reference
 from grpo_kernels.advantages import group_advantages
 from grpo_kernels.fused_linear import fused_linear_grpo_loss, fused_linear_logprobs
@@ -31,7 +31,7 @@ from grpo_kernels.fused_linear import fused_linear_grpo_loss, fused_linear_logpr
 RUNS = {
     "tiny": ["--config-file", str(ROOT / "examples" / "train_tiny_cpu.toml")],
     "smollm2-135m": ["--model.name=smollm2-135m", "--task.name=arith", "--task.difficulty=2",
-                     "--task.format_weight=0.2",  # the bonus its committed table ran with (the default then)
+                     f"--task.format_weight={ARITH_FORMAT_WEIGHT_COMMITTED}",  # the bonus its committed table ran with
                      "--sampling.temperature=0.7", "--sampling.max_new_tokens=24"],
 }  # fmt: skip
 

@@ -51,7 +51,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # importable from a plain checkout too
 
-from benchmarks.common import RESULTS, ROOT, append_csv, print_environment, run_meta
+from benchmarks.common import ARITH_FORMAT_WEIGHT_COMMITTED, RESULTS, ROOT, append_csv, print_environment, run_meta
 
 COLUMNS = ["timestamp", "device", "torch", "triton", "git_sha", "trl", "provider", "steps", "group_size",
            "prompts_per_step", "max_new_tokens", "step_s", "loss_step_s", "completion_tokens_per_s", "peak_rss_mb",
@@ -61,7 +61,7 @@ FULL = dict(steps=12, group_size=8, prompts_per_step=8, max_new_tokens=8, lr=1e-
 QUICK = dict(steps=2, group_size=4, prompts_per_step=2, max_new_tokens=4, lr=1e-3, temperature=1.0)
 MODEL = dict(steps=4, group_size=8, prompts_per_step=4, max_new_tokens=64, lr=1e-5, temperature=0.7)
 ARITH_PROMPTS = 256
-FORMAT_WEIGHT = 0.2  # arith's bare-integer bonus: the task's default when the committed rows ran (now 0)
+FORMAT_WEIGHT = ARITH_FORMAT_WEIGHT_COMMITTED  # arith's bare-integer bonus the committed rows ran with
 # With --model, `grpo-kernels train` packs each group's prompt once (shared_prefix) into micro-batches of at most this
 # many tokens: the activations of a 30-layer model over a whole step's tokens would dominate its peak memory (TRL
 # bounds them with gradient checkpointing, its default).

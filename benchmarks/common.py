@@ -255,3 +255,55 @@ def run_logged(cmd: list, log: Path, cpu: int | None) -> tuple[int, int]:
         _, status, usage = os.wait4(proc.pid, 0)
     return os.waitstatus_to_exitcode(status), round(usage.ru_maxrss / 1024)
 
+
+
+def trl_prepare_for_steps(trainer, name: str) -> None:
+    """What transformers' Trainer.train() does to the model before its first step, for a benchmark that calls
+    compute_loss itself: gradient checkpointing as trainer.args asks, and accelerate's preparation of the model (with
+    bf16 / fp16 that wraps its forward in autocast). Raises RuntimeError naming `name` when gradient checkpointing is
+    not what args ask once done."""
+    args, model = trainer.args, trainer.model
+    if args.gradient_checkpointing:
+        kwargs = dict(args.gradient_checkpointing_kwargs or {})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
+    if model.is_gradient_checkpointing != args.gradient_checkpointing:
+        raise RuntimeError(f"{name}: gradient checkpointing is {model.is_gradient_checkpointing}, "
+                           f"asked {args.gradient_checkpointing}")  # fmt: skip
+    trainer.model_wrapped = trainer.accelerator.prepare_model(model)
+    model.train()
+
+
+class BlockProbe:
+    """What a decoder block's submodule saw while it was hooked: how many of its calls ran in the forward and how many
+    in the backward (recomputation: activation checkpointing), and the autocast dtype of each call (None: no
+    autocast). Usage: `with BlockProbe(model.model.layers[0].mlp, "cuda") as probe: step()`, then `probe.summary()`."""
+
+    def __init__(self, module: torch.nn.Module, device_type: str):
+        self.module, self.device_type = module, device_type
+        self.forward = self.recomputed = 0
+        self.autocast: set = set()
+
+    def _hook(self, module, args) -> None:
+        if not torch.is_grad_enabled():
+            return
+        if torch._C._current_graph_task_id() == -1:  # -1: outside any backward pass
+            self.forward += 1
+        else:
+            self.recomputed += 1
+        on = torch.is_autocast_enabled(self.device_type)
+        self.autocast.add(torch.get_autocast_dtype(self.device_type) if on else None)
+
+    def __enter__(self):
+        self._handle = self.module.register_forward_pre_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._handle.remove()
+
+    @property
+    def checkpointed(self) -> bool:
+        return self.forward > 0 and self.recomputed == self.forward
+
+    def summary(self) -> str:
+        dtypes = "/".join(sorted(str(d).replace("torch.", "") if d else "none" for d in self.autocast))
+        return f"block calls: {self.forward} forward, {self.recomputed} recomputed; autocast {dtypes or '-'}"

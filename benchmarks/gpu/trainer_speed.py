@@ -17,7 +17,10 @@ Rows per mode (none, selective, blocks, offload, auto), each on a fresh model af
     less the train step's seconds;
   - peak: the GPU memory the step allocated at most, above what was allocated before it (weights, gradients and
     AdamW's state exist by then: the warm-up made them);
-  - a mode that does not fit is a row "out of memory", not a failure; "auto" names the mode it chose.
+  - a mode that does not fit is a row "out of memory", not a failure; "auto" names the mode it chose; the step is
+    checked as it runs (a hook on the first block's MLP): recomputed in the backward where the mode checkpoints it;
+  - any other failure of a mode (or of the generation) is an "error" row, the next mode still runs, and the stage
+    exits 1 at the end. Models are built on the GPU (seconds each), fresh per mode.
 Generation (once, mode-independent): the trainer's HF sampler on the same model, the 128 rows to 1,024 new tokens
 (random weights never stop early): seconds and tokens/s. The dry run runs all of it at a tiny shape on the CPU
 ("offload" needs CUDA: its row says so) to check the stage end to end; its numbers mean nothing.
@@ -30,7 +33,7 @@ import time
 
 import torch
 
-from benchmarks.common import write_csv
+from benchmarks.common import BlockProbe, write_csv
 from benchmarks.gpu import stage_args
 from grpo_kernels.attention import HF_ATTENTION_NAME, register_hf_attention
 from grpo_kernels.train import activation
@@ -63,8 +66,9 @@ def build_model(shape: Shape):
 
     register_hf_attention()
     torch.manual_seed(0)
-    config = Qwen2Config(**shape.model)
-    return AutoModelForCausalLM.from_config(config, attn_implementation=HF_ATTENTION_NAME).to(shape.device)
+    with torch.device(shape.device):  # weights made where they run: seconds on a GPU, a minute on its CPU
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**shape.model), attn_implementation=HF_ATTENTION_NAME)
+    return model.to(shape.device)
 
 
 def synthetic_rollout(shape: Shape) -> Rollout:
@@ -107,11 +111,13 @@ def matmul_tflops(shape: Shape) -> float:
     return 2 * 8192**3 / triton.testing.do_bench(lambda: a @ a, return_mode="median") / 1e9
 
 
-def apply_mode(model, mode: str, shape: Shape, tokens: int) -> str:
+def apply_mode(model, mode: str, shape: Shape, tokens: int) -> tuple[bool, str]:
     """Checkpoint the decoder blocks as the trainer does for `mode` (its activation.apply; "auto": what its chooser
-    picks for this device's free memory); returns auto's line ("" for the other modes)."""
-    return activation.apply(model, mode=mode, tokens=tokens, completion_tokens=shape.lengths[1], dtype_bytes=2,
-                            device=shape.device)[2]
+    picks for this device's free memory); returns (whether the first block is checkpointed, auto's line: "" for the
+    other modes)."""
+    chosen, count, line = activation.apply(model, mode=mode, tokens=tokens, completion_tokens=shape.lengths[1],
+                                           dtype_bytes=2, device=shape.device)  # fmt: skip
+    return chosen != "none" and count > 0, line
 
 
 def sync(shape: Shape) -> None:
@@ -121,7 +127,7 @@ def sync(shape: Shape) -> None:
 
 def measure_mode(mode: str, shape: Shape, rollout: Rollout, flops: float, tflops: float, rows: list) -> None:
     model = build_model(shape)
-    note = apply_mode(model, mode, shape, shape.token_budget)
+    checkpointed, note = apply_mode(model, mode, shape, shape.token_budget)
     policy = Policy(model, compute_dtype=torch.bfloat16)
     ref = Policy(copy.deepcopy(model).requires_grad_(False), compute_dtype=torch.bfloat16)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
@@ -131,10 +137,14 @@ def measure_mode(mode: str, shape: Shape, rollout: Rollout, flops: float, tflops
     if not shape.dry:
         torch.cuda.reset_peak_memory_stats()
     before = 0 if shape.dry else torch.cuda.memory_allocated()
-    start = time.perf_counter()
-    metrics = grpo_step(policy, optimizer, rollout, loss_options=LOSS, **kw)
-    sync(shape)
-    train_s = time.perf_counter() - start
+    with BlockProbe(model.model.layers[0].mlp, shape.device.type) as probe:
+        start = time.perf_counter()
+        metrics = grpo_step(policy, optimizer, rollout, loss_options=LOSS, **kw)
+        sync(shape)
+        train_s = time.perf_counter() - start
+    if probe.checkpointed != checkpointed:
+        raise RuntimeError(f"mode {mode}: the step ran {'with' if probe.checkpointed else 'without'} recomputation "
+                           f"({probe.summary()})")  # fmt: skip
     peak = float("nan") if shape.dry else (torch.cuda.max_memory_allocated() - before) / 2**30
     start = time.perf_counter()
     grpo_step(policy, optimizer, rollout, loss_options={**LOSS, "beta": 0.04}, ref_policy=ref, compute_old_logps=True,
@@ -143,7 +153,7 @@ def measure_mode(mode: str, shape: Shape, rollout: Rollout, flops: float, tflops
     logps_s = time.perf_counter() - start - train_s
     mfu = flops / train_s / (tflops * 1e12)
     rows += [dict(mode=mode, quantity="train step", value=f"{train_s:.3f}", unit="s",
-                  note=f"{metrics['micro_batches']} micro-batches" + (f"; {note}" if note else "")),
+                  note=f"{metrics['micro_batches']} micro-batches; {probe.summary()}" + (f"; {note}" if note else "")),
              dict(mode=mode, quantity="train tokens/s", value=f"{metrics['train_tokens_per_s']:.0f}", unit="tokens/s"),
              dict(mode=mode, quantity="train MFU", value=f"{mfu:.3f}", unit="fraction",
                   note=f"{flops / 1e12:.1f} TFLOP over {train_s:.3f} s at {tflops:.0f} TFLOP/s"),
@@ -194,17 +204,25 @@ def main(argv=None) -> int:
             continue
         try:
             measure_mode(mode, shape, rollout, flops, tflops, rows)
-        except torch.OutOfMemoryError as exc:
-            rows.append(dict(mode=mode, quantity="train step", value="out of memory", unit="",
-                             note=str(exc).splitlines()[0][:160]))  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 (a row; the next mode still runs)
+            rows.append(failure_row(mode, exc))
         if not shape.dry:
             torch.cuda.empty_cache()
         write()
         print(*(r for r in rows if r["mode"] == mode), sep="\n", flush=True)
-    generation_rows(shape, rows)
+    try:
+        generation_rows(shape, rows)
+    except Exception as exc:  # noqa: BLE001
+        rows.append(failure_row("-", exc, "generation"))
     write()
-    print(*rows[-2:], sep="\n")
-    return 0
+    print(*(r for r in rows if r["mode"] == "-"), sep="\n")
+    return 1 if any(r["value"] == "error" for r in rows) else 0  # out of memory is a result, not a failure
+
+
+def failure_row(mode: str, exc: BaseException, quantity: str = "train step") -> dict:
+    what = "out of memory" if isinstance(exc, torch.OutOfMemoryError) else "error"
+    first = str(exc).splitlines()[0][:160] if str(exc) else ""
+    return dict(mode=mode, quantity=quantity, value=what, unit="", note=f"{type(exc).__name__}: {first}")
 
 
 if __name__ == "__main__":

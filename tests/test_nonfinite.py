@@ -17,6 +17,8 @@ from test_fused_linear import make as make_fused
 from test_fused_linear import run as run_fused
 from test_loss import IMPLS, _small_triton_chunks, make_batch, oracle, run  # noqa: F401 (autouse fixture)
 
+import grpo_kernels as gk
+
 NAN, BIG = float("nan"), 100.0  # exp(100) = 2.7e43 > FLT_MAX = 3.4e38; fp64 holds it
 # Per-sequence advantages of make_batch(6, ...): positive, zero, negative, positive, negative; row 5 is empty.
 ADV = torch.tensor([0.8, 0.0, -0.6, 1.1, -0.9, 0.3], dtype=torch.float64)
@@ -86,6 +88,61 @@ def test_nan_and_inf_in_masked_tokens_change_nothing_in_reference_and_backends(i
             for key in e_metrics:
                 assert_close(d_metrics[key], e_metrics[key], name=f"reference {key}", dtype=torch.float64)
             check_all(impl, dirty, **kw)
+
+
+def _run_with_mask(impl, x, keep, *, packed, **kw):
+    """run() with the mask passed in both layouts: packed keeps the positions `keep` of each row (zeros and NaN of
+    the mask inside them included), as test_loss.run's packing (which drops the mask) cannot."""
+    if not packed:
+        return run(impl, x, **kw)
+    lengths = keep.sum(1)
+    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    lp = x["logps"][keep].float().requires_grad_()
+    gk._C.set_loss_simd(impl != "cpp-portable")
+    try:
+        loss, metrics = gk.grpo_loss(lp, x["old"][keep].float(), x["adv"].float(), mask=x["mask"][keep].float(),
+                                     cu_seqlens=cu, max_completion_length=x["logps"].shape[1],
+                                     impl=impl.removesuffix("-portable"), **kw)  # fmt: skip
+        (grad,) = torch.autograd.grad(loss, lp)
+    finally:
+        gk._C.set_loss_simd(True)
+    full = torch.zeros_like(x["logps"], dtype=grad.dtype)
+    full[keep] = grad
+    return loss, full, metrics
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("impl", ["reference", *IMPLS])
+def test_nan_in_the_mask_gives_nan_loss_and_nan_gradients_wherever_its_normalizer_reaches(impl, triton_device,
+                                                                                         packed):  # fmt: skip
+    """mask[0, 17] = NaN (the second chunk of a row; the Triton tiles here are 16 tokens), a masked token inside
+    row 2: the loss and every metric are NaN, as the fp64 oracle's; the normalizer that sums the mask is NaN, so on
+    the C++ and Triton backends every gradient it scales is NaN (masked and clipped tokens' too): every token's
+    for bnpo, vespo and dapo / cispo (sum m), row 0's for grpo / sapo, only that token's for dr_grpo, luspo and dapo
+    with num_items_in_batch; every other gradient is the oracle's. (Triton's one-launch path took max(NaN, 1) = 1
+    for the normalizer: finite gradients at the wrong scale.)"""
+    dev = device_for(impl, triton_device)
+    x = make_batch(device=dev)
+    keep = x["mask"].bool()
+    x["mask"][0, 17], x["mask"][2, 0] = NAN, 0.0
+    cases = [dict(loss_type=t) for t in LOSS_TYPES] + [dict(loss_type="dapo", num_items_in_batch=50.0)]
+    for kw in cases:
+        loss, grad, metrics = _run_with_mask(impl, x, keep, packed=packed, **kw)
+        e_loss, e_grad, e_metrics = oracle(x, **kw)
+        assert torch.isnan(loss) and torch.isnan(e_loss), kw
+        for key, value in e_metrics.items():
+            assert_close(metrics[key], value.float(), name=f"metric {key} [{impl} {kw}]")
+        loss_type = kw["loss_type"]
+        sums_mask = loss_type in ("bnpo", "vespo") or (loss_type in ("dapo", "cispo") and len(kw) == 1)
+        scope = torch.full_like(keep, sums_mask)  # the gradients the NaN normalizer scales
+        scope[0] |= loss_type in ("grpo", "sapo")
+        scope[0, 17] = True
+        if packed:
+            scope &= keep  # (the positions past a row's end do not exist)
+        outside = ~scope & keep
+        assert_close(grad[outside], e_grad[outside].float(), name=f"grad outside the NaN's reach [{impl} {kw}]")
+        if impl != "reference":  # (the reference's autograd gives 0 through a clip or a mask: NaN * 0 dropped)
+            assert bool(torch.isnan(grad[scope]).all()), f"{impl} {kw}: a finite gradient inside the NaN's reach"
 
 
 # ------------------------------------------------------------------------------------------ ratios beyond fp32

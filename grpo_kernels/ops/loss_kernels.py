@@ -123,7 +123,7 @@ def _finish_loss(
             ptrs = partial_ptr + (seqs[:, None] * num_chunks + c) * 9 + cols[None, :]
             tile += tl.load(ptrs, mask=ok[:, None] & (cols[None, :] < 9), other=0.0, cache_modifier=".cg")
         totals += tl.sum(tile, axis=0)
-        n_s = tl.maximum(tl.sum(tl.where(cols[None, :] == 1, tile, 0.0), axis=1), 1.0)
+        n_s = _max(tl.sum(tl.where(cols[None, :] == 1, tile, 0.0), axis=1), 1.0)  # NaN (a NaN mask) stays NaN
         seq_means += tl.where(ok, tl.sum(tl.where(cols[None, :] == 0, tile, 0.0), axis=1) / n_s, 0.0)
         if div_kind == 0:
             tl.store(scale_ptr + seqs, (1.0 / (n_s * num_seqs)).to(tl.float32), mask=ok)
@@ -131,7 +131,7 @@ def _finish_loss(
             lo = tl.load(cu_ptr + seqs, mask=ok, other=0).to(tl.int64)
             hi = tl.load(cu_ptr + seqs + 1, mask=ok, other=0).to(tl.int64)
             longest = tl.maximum(longest, hi - lo)
-    tokens = tl.maximum(tl.sum(tl.where(cols == 1, totals, 0.0), axis=0), 1.0)
+    tokens = _max(tl.sum(tl.where(cols == 1, totals, 0.0), axis=0), 1.0)
     loss_sum = tl.sum(tl.where(cols == 0, totals, 0.0), axis=0)
     if PADDED:
         max_len = tl.cast(row_len, tl.float64)  # (tl.cast: row_len arrives as a constexpr when it is 1)

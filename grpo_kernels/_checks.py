@@ -8,10 +8,15 @@ import torch
 IMPLS = ("auto", "triton", "cpp", "reference")
 
 
-def check_impl(impl: str, device: torch.device, what: str) -> None:
-    """impl is a known backend that can run tensors on `device` (`what` names the tensor in the message)."""
-    if impl not in IMPLS:
+def check_impl(impl: str) -> None:
+    """impl names a backend: one of IMPLS, as a str (a numpy string array compares equal to one). It reads no tensor,
+    so public functions check it first; `check_impl_device` then, after the type check of the tensor it reads."""
+    if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"impl must be one of {', '.join(map(repr, IMPLS))}, got {impl!r}")
+
+
+def check_impl_device(impl: str, device: torch.device, what: str) -> None:
+    """The backend `impl` (checked by check_impl) can run tensors on `device` (`what` names them in the message)."""
     if impl == "cpp" and device.type != "cpu":
         raise ValueError(f"impl='cpp' runs CPU tensors only; {what} are on {device}")
     if impl == "triton" and device.type not in ("cpu", "cuda"):
@@ -143,9 +148,15 @@ def check_like(name, x, logps, *, float_only=True) -> None:
         raise ValueError(f"{name} requires grad, but grpo_loss differentiates w.r.t. logps only: detach it")
 
 
+def padded_cu_seqlens(num_seqs: int, length: int, device: torch.device) -> torch.Tensor:
+    """The cu_seqlens of padded [num_seqs, length] rows: the row starts s length, int64."""
+    return torch.arange(num_seqs + 1, device=device, dtype=torch.int64) * length
+
+
 def check_loss_layout(logps, advantages, mask, cu_seqlens, max_seqlen, *, padded_cu=True):
     """-> (num_seqs, cu_seqlens int64 on the device, max_seqlen, advantages per token?). For padded logps the
-    cu_seqlens are built (row starts s L), or None with padded_cu=False."""
+    cu_seqlens are built (padded_cu_seqlens), or None with padded_cu=False. The one check of logps' type: it comes
+    before anything reads logps' attributes."""
     if not isinstance(logps, torch.Tensor) or logps.dtype not in _FLOATS:
         got = logps.dtype if isinstance(logps, torch.Tensor) else type(logps).__name__
         raise ValueError(f"logps must be a float32/bfloat16/float16 tensor, got {got}")
@@ -155,7 +166,7 @@ def check_loss_layout(logps, advantages, mask, cu_seqlens, max_seqlen, *, padded
                 f"logps must be padded [B, L] (with mask) or packed [T] with cu_seqlens, got {tuple(logps.shape)}"
             )
         b, length = logps.shape
-        cu = torch.arange(b + 1, device=logps.device, dtype=torch.int64) * length if padded_cu else None
+        cu = padded_cu_seqlens(b, length, logps.device) if padded_cu else None
         max_len = length
     else:
         if logps.dim() != 1:
@@ -290,7 +301,8 @@ def check_logprobs_args(logits, ids, temperature, cu_seqlens, impl, flags):
     check_temperature(temperature)
     for name, value in flags.items():
         check_flag(name, value)
-    check_impl(impl, logits.device, "logits")
+    check_impl(impl)
+    check_impl_device(impl, logits.device, "logits")
     if cu_seqlens is not None:
         if logits.dim() != 2:
             raise ValueError("cu_seqlens goes with packed logits [T, V]")

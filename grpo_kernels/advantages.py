@@ -5,7 +5,14 @@ from collections.abc import Sequence
 import torch
 
 from . import reference
-from ._checks import check_choice, check_group_offsets, check_impl, check_nonnegative, check_reward_weights
+from ._checks import (
+    check_choice,
+    check_group_offsets,
+    check_impl,
+    check_impl_device,
+    check_nonnegative,
+    check_reward_weights,
+)
 from .ops import advantages as _ops
 from .types import GroupAdvantages
 
@@ -62,7 +69,8 @@ def group_advantages(
     check_choice("std", std, ("unbiased", "biased"))
     check_choice("nan", nan, ("error", "invalid"))
     eps, min_std = check_nonnegative("eps", eps), check_nonnegative("min_std", min_std)
-    check_impl(impl, rewards.device, "rewards")
+    check_impl(impl)
+    check_impl_device(impl, rewards.device, "rewards")
     n = rewards.shape[0]
     if (group_size is None) == (group_offsets is None):
         raise ValueError("give exactly one of group_size and group_offsets")

@@ -24,6 +24,7 @@ from ._checks import (
     check_chunk_tokens,
     check_flag,
     check_impl,
+    check_impl_device,
     check_like,
     check_linear_head,
     check_loss_inputs,
@@ -214,8 +215,9 @@ def fused_linear_logprobs(hidden, weight, ids, *, bias=None, temperature=1.0, re
     log-sum-exp), so the [C, V] chunk (two with softcap) stays the only large temporary; one backward per forward.
     softcap: Gemma 2's `final_logit_softcapping` (> 0), applied before the temperature; None = plain logits.
     """
+    check_impl(impl)
     check_linear_head(hidden, weight, bias, ids, temperature, impl)
-    check_impl(impl, hidden.device, "hidden")
+    check_impl_device(impl, hidden.device, "hidden")
     check_flag("return_entropy", return_entropy)
     check_softcap(softcap)
     shape, h2, ids_flat = ids.shape, hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1).long()
@@ -352,8 +354,9 @@ def fused_linear_grpo_loss(
         (loss, metrics) as grpo_loss. Gradients flow to hidden, weight and bias; the weight's gradient is
         summed over chunks in fp32 and cast once to the weight's dtype.
     """
+    check_impl(impl)
     check_linear_head(hidden, weight, bias, ids, temperature, impl)
-    check_impl(impl, hidden.device, "hidden")
+    check_impl_device(impl, hidden.device, "hidden")
     check_flag("return_entropy", return_entropy)
     check_softcap(softcap)
     check_number("entropy_coef", entropy_coef)

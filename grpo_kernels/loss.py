@@ -28,7 +28,7 @@ import inspect
 import torch
 
 from . import reference
-from ._checks import check_impl, check_like, check_loss_inputs, check_loss_layout
+from ._checks import check_impl, check_impl_device, check_like, check_loss_inputs, check_loss_layout, padded_cu_seqlens
 from .logprobs import selective_logprobs
 from .ops import loss as _ops
 from .ops import loss_fused as _fused_ops
@@ -126,16 +126,15 @@ def grpo_loss(
         vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
     )  # fmt: skip
     check_loss_inputs(options, num_items_in_batch=num_items_in_batch, ref_logps=ref_logps, sampler_logps=sampler_logps)
-    check_impl(impl, logps.device, "logps")
-    # The token-level loss types on the Triton backend, outside torch.compile: one launch each way (ops/loss_fused).
-    fused = (impl == "triton" or (impl == "auto" and logps.is_cuda)) and not options.whole_sequence
-    fused = fused and not torch.compiler.is_compiling()
-    b, cu, max_len, adv_per_token = check_loss_layout(logps, advantages, mask, cu_seqlens, max_seqlen,
-                                                      padded_cu=not fused)  # fmt: skip
+    check_impl(impl)
+    b, cu, max_len, adv_per_token = check_loss_layout(logps, advantages, mask, cu_seqlens, max_seqlen, padded_cu=False)
+    check_impl_device(impl, logps.device, "logps")
     for name, x in (("old_logps", old_logps), ("ref_logps", ref_logps), ("sampler_logps", sampler_logps)):
         if x is not None:
             check_like(name, x, logps)
-    if fused:
+    # The token-level loss types on the Triton backend, outside torch.compile: one launch each way (ops/loss_fused).
+    fused = (impl == "triton" or (impl == "auto" and logps.is_cuda)) and not options.whole_sequence
+    if fused and not torch.compiler.is_compiling():
         return _fused_loss(logps, old_logps, advantages, ref_logps if options.beta != 0.0 else None, sampler_logps,
                            mask, cu, b, max_len, adv_per_token, options, num_items_in_batch)  # fmt: skip
     if impl == "reference":
@@ -144,6 +143,7 @@ def grpo_loss(
             num_items_in_batch=num_items_in_batch, sampler_logps=sampler_logps, **options.kwargs(),
         )  # fmt: skip
     flat = _ops.flat_input
+    cu = padded_cu_seqlens(b, max_len, logps.device) if cu is None else cu
     stats, _ = _ops.grpo_loss_fwd(
         "triton" if impl == "triton" or logps.is_cuda else "cpp",
         logps.reshape(-1) if logps.is_contiguous() else logps.contiguous().reshape(-1), flat(old_logps),

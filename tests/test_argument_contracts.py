@@ -1,6 +1,7 @@
 """Arguments that used to be accepted silently (or failed late, or without naming themselves) now either follow
 one documented contract or raise ValueError naming the argument."""
 
+import numpy as np
 import pytest
 import torch
 from helpers import assert_close
@@ -146,6 +147,42 @@ def test_meta_tensors_raise_value_error_naming_the_device():
     for case in cases:
         with pytest.raises(ValueError, match="meta"):
             case()
+
+
+@pytest.mark.parametrize("impl", ["auto", "cpp", "triton", "reference"])
+def test_non_tensor_inputs_raise_the_value_error_naming_them_whatever_impl(impl):
+    """The type check of the tensor a public function reads its device from comes before the backend's device
+    check (before: grpo_loss raised AttributeError: 'list' object has no attribute 'device' for impl="cpp")."""
+    hidden, weight, ids = torch.randn(4, 8), torch.randn(7, 8), torch.randint(0, 7, (4,))
+    cases = {
+        "logps": lambda: gk.grpo_loss([[-1.0, -2.0]], None, torch.tensor([1.0]), impl=impl),
+        "logits": lambda: gk.selective_logprobs([[0.5, 1.0]], torch.zeros(1, dtype=torch.long), impl=impl),
+        "rewards": lambda: gk.group_advantages([1.0, 0.0], group_size=2, impl=impl),
+        "hidden": lambda: gk.fused_linear_grpo_loss(hidden.tolist(), weight, ids, torch.zeros(4), impl=impl),
+        "hidden ": lambda: gk.fused_linear_logprobs(hidden.tolist(), weight, ids, impl=impl),
+    }  # fmt: skip
+    for name, call in cases.items():
+        with pytest.raises(ValueError, match=f"^{name.strip()} must be"):
+            call()
+
+
+@pytest.mark.parametrize("impl", [None, 1, ["cpp"], np.array("cpp"), torch.tensor(0), b"cpp", "CPP"])
+def test_impl_other_than_a_backend_name_raises_value_error_naming_impl(impl):
+    """Every public function refuses an impl that is not one of the names as a str, before reading any tensor (a
+    0-d numpy string array compared equal to "cpp" and was taken)."""
+    hidden, weight, ids = torch.randn(4, 8), torch.randn(7, 8), torch.randint(0, 7, (4,))
+    logps, old, adv, cu = packed_batch()
+    calls = [
+        lambda: gk.grpo_loss(logps, old, adv, cu_seqlens=cu, impl=impl),
+        lambda: gk.grpo_loss([[-1.0]], None, adv, impl=impl),
+        lambda: gk.selective_logprobs(hidden @ weight.T, ids, impl=impl),
+        lambda: gk.group_advantages(torch.randn(8), group_size=4, impl=impl),
+        lambda: gk.fused_linear_grpo_loss(hidden, weight, ids, torch.zeros(4), impl=impl),
+        lambda: gk.fused_linear_logprobs(hidden.double(), weight.double(), ids, impl=impl),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="impl must be one of"):
+            call()
 
 
 @pytest.mark.parametrize("fn", ["fused_linear_logprobs", "fused_linear_grpo_loss", "selective_logprobs"])

@@ -3,13 +3,21 @@ token counts (it passes a right draw and rejects a draw at the wrong temperature
 seeded draws are independent across a group's rows, across steps and along a row, and the within-group rollout
 statistics."""
 
+import itertools
 import math
 
 import pytest
 import torch
 
 from benchmarks.common import t975
-from benchmarks.learning.intervals import clopper_pearson, fisher_exact, welch_difference
+from benchmarks.learning.intervals import (
+    clopper_pearson,
+    fisher_exact,
+    permutation_p,
+    seeds_needed,
+    smallest_gap,
+    welch_difference,
+)
 from benchmarks.learning.sampler_distribution import (
     chi2_sf,
     chi_square,
@@ -19,6 +27,37 @@ from benchmarks.learning.sampler_distribution import (
     pair_draws,
     rollout_stats,
 )
+
+
+def _exact_permutation_p(a, b):
+    """Every split of the pooled values into len(a) and len(b): the exact two-sided p."""
+    pooled, n = a + b, len(a)
+    observed = abs(sum(a) / n - sum(b) / len(b))
+    splits = list(itertools.combinations(range(len(pooled)), n))
+    far = 0
+    for idx in splits:
+        first = [pooled[i] for i in idx]
+        rest = [pooled[i] for i in range(len(pooled)) if i not in idx]
+        far += abs(sum(first) / n - sum(rest) / len(rest)) >= observed - 1e-12
+    return far / len(splits)
+
+
+@pytest.mark.parametrize("a, b", [([0.31, 0.35, 0.28, 0.40, 0.33], [0.42, 0.39, 0.45, 0.37, 0.44, 0.41]),
+                                  ([0.2, 0.3, 0.25], [0.21, 0.29, 0.26, 0.24]), ([1.0, 1.0, 1.0], [1.0, 1.0])])
+def test_permutation_p_approaches_the_exact_enumeration(a, b):
+    exact = _exact_permutation_p(a, b)
+    assert permutation_p(a, b, rounds=40_000, seed=3) == pytest.approx(exact, abs=0.01)
+    assert permutation_p(a, b, rounds=1000, seed=3) == permutation_p(a, b, rounds=1000, seed=3)  # seeded
+    with pytest.raises(ValueError, match="a value on each side"):
+        permutation_p([], b)
+
+
+def test_seeds_needed_is_the_textbook_two_sample_size_and_smallest_gap_its_inverse():
+    """(1.96 + 0.8416)^2 (0.094^2 + 0.077^2) / 0.05^2 = 46.3: the issue's 46 per arm for a gap of 0.05."""
+    assert seeds_needed(0.094, 0.077, 0.05) == 47
+    assert seeds_needed(0.094, 0.077, 0.03) == 129
+    assert seeds_needed(1.0, 1.0, 1.0, power=0.9) == 22  # 2 (1.96 + 1.2816)^2 = 21.01
+    assert smallest_gap(0.094, 0.077, 47, 47) == pytest.approx(0.05, rel=0.01)
 
 
 @pytest.mark.parametrize("dof, quantile", [(1, 12.7062), (4, 2.7764), (30, 2.0423), (31, 2.0395), (40, 2.0211),
@@ -55,8 +94,8 @@ def test_draw_swap_statistics_pair_by_seed_and_permute(tmp_path):
     seeds, mean, half = draw_swap.paired({0: 0.5, 1: 0.7, 2: 0.4}, {0: 0.4, 1: 0.5, 3: 0.9})
     # differences 0.1 and 0.2: sd 0.1 / sqrt(2), standard error 0.05, t quantile on 1 dof 12.7062
     assert seeds == [0, 1] and mean == pytest.approx(0.15) and half == pytest.approx(12.7062 * 0.05, abs=1e-3)
-    assert draw_swap.permutation_p([1.0, 1.1, 0.9, 1.2, 1.0, 1.05], [0.0, 0.1, -0.1, 0.2, 0.0, 0.05]) < 0.01
-    assert draw_swap.permutation_p([0.3, 0.4, 0.5], [0.5, 0.4, 0.3]) == 1.0
+    assert permutation_p([1.0, 1.1, 0.9, 1.2, 1.0, 1.05], [0.0, 0.1, -0.1, 0.2, 0.0, 0.05]) < 0.01
+    assert permutation_p([0.3, 0.4, 0.5], [0.5, 0.4, 0.3]) == 1.0
 
     def run(arm_dir, name, evals, metrics=()):
         d = tmp_path / arm_dir / "runs" / name

@@ -19,7 +19,6 @@ more seeds), results/learning_vs_trl_hfdraw and results/learning_vs_trl_ourdraw.
 
 import argparse
 import json
-import random
 import statistics
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # importable from a plain checkout too
 
 from benchmarks.common import ROOT
-from benchmarks.learning.intervals import mean_ci
+from benchmarks.learning.intervals import mean_ci, permutation_p
 
 RESULTS = ROOT / "benchmarks" / "results"
 ARMS = {  # name: (result directories, run-name prefix)
@@ -65,15 +64,6 @@ def paired(a: dict, b: dict) -> tuple:
     diff = [a[s] - b[s] for s in seeds]
     mean, half = mean_ci(diff)
     return seeds, mean, half
-
-
-def permutation_p(a: list, b: list, rounds: int = 20_000, seed: int = 0) -> float:
-    """Two-sided permutation test of mean(a) - mean(b): the share of relabellings at least as far from 0."""
-    observed, pool, rng, hits = abs(statistics.mean(a) - statistics.mean(b)), list(a) + list(b), random.Random(seed), 0
-    for _ in range(rounds):
-        rng.shuffle(pool)
-        hits += abs(statistics.mean(pool[: len(a)]) - statistics.mean(pool[len(a) :])) >= observed - 1e-12
-    return hits / rounds
 
 
 def same_draws(results: Path) -> list[str]:

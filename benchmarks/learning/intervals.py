@@ -1,8 +1,12 @@
 """The intervals and tests the learning benchmarks report with: a mean's t-interval, the Welch interval of a difference
-of two means, a binomial rate's exact (Clopper-Pearson) interval and Fisher's exact test of two rates. Pure Python:
-the benchmarks need no SciPy."""
+of two means, a permutation test of that difference, the seeds a difference needs to be found (a power calculation),
+a binomial rate's exact (Clopper-Pearson) interval and Fisher's exact test of two rates. Pure Python: the benchmarks
+need no SciPy."""
 
 import math
+import random
+import statistics
+from statistics import NormalDist
 
 from benchmarks.common import t975
 
@@ -29,6 +33,31 @@ def welch_difference(a: list[float], b: list[float]) -> tuple:
         return diff, 0.0
     dof = se2**2 / (var[0] ** 2 / (len(a) - 1) + var[1] ** 2 / (len(b) - 1))
     return diff, t975(max(1, math.floor(dof))) * se2**0.5
+
+
+def permutation_p(a: list, b: list, rounds: int = 20_000, seed: int = 0) -> float:
+    """Two-sided permutation test of mean(a) - mean(b): the share of `rounds` random relabellings (seeded) whose
+    difference is at least as far from 0 as the observed one."""
+    if min(len(a), len(b)) < 1:
+        raise ValueError(f"permutation_p needs a value on each side, got {len(a)} and {len(b)}")
+    observed, pool, rng, hits = abs(statistics.mean(a) - statistics.mean(b)), list(a) + list(b), random.Random(seed), 0
+    for _ in range(rounds):
+        rng.shuffle(pool)
+        hits += abs(statistics.mean(pool[: len(a)]) - statistics.mean(pool[len(a) :])) >= observed - 1e-12
+    return hits / rounds
+
+
+def seeds_needed(sd_a: float, sd_b: float, gap: float, power: float = 0.8, alpha: float = 0.05) -> int:
+    """Seeds per arm for a two-sided test at alpha to find a true difference `gap` between two means with probability
+    `power` (normal approximation, equal arms): n = (z_(1 - alpha / 2) + z_power)^2 (sd_a^2 + sd_b^2) / gap^2."""
+    z = NormalDist().inv_cdf(1 - alpha / 2) + NormalDist().inv_cdf(power)
+    return math.ceil(z**2 * (sd_a**2 + sd_b**2) / gap**2)
+
+
+def smallest_gap(sd_a: float, sd_b: float, n_a: int, n_b: int, power: float = 0.8, alpha: float = 0.05) -> float:
+    """The true difference that n_a and n_b seeds find with probability `power` (the inverse of seeds_needed)."""
+    z = NormalDist().inv_cdf(1 - alpha / 2) + NormalDist().inv_cdf(power)
+    return z * (sd_a**2 / n_a + sd_b**2 / n_b) ** 0.5
 
 
 def _binomial_cdf(k: int, n: int, p: float) -> float:

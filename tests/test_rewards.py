@@ -48,6 +48,21 @@ async def hangs_async(completions, **kwargs):
 def sleeps(completions, **kwargs):
     import time
     time.sleep(60)
+
+def numpy_matches(completions, answer, **kwargs):
+    """np.isclose's numpy.bool_ per completion (None where the completion is not a number)."""
+    import numpy as np
+    return [np.isclose(float(c), float(a)) if c.isdigit() else None for c, a in zip(completions, answer)]
+
+def numpy_kinds(answer, **kwargs):
+    """A numpy integer or float, or a Python bool, by the answer (1 to 5)."""
+    import numpy as np
+    kinds = [np.int64(2), np.float32(0.5), True, np.float16(0.25), np.uint8(3)]
+    return [kinds[int(a) - 1] for a in answer]
+
+def numpy_date(completions, **kwargs):
+    import numpy as np
+    return [np.float64(1.0)] + [np.datetime64("2026-12-06")] * (len(completions) - 1)
 '''
 
 VERL_FILE = '''
@@ -148,6 +163,36 @@ def test_worker_processes_give_the_same_values_and_log_metric(trl_file):
         pooled.close()
 
 
+@pytest.mark.parametrize("processes", [0, 2])
+def test_numpy_bools_integers_floats_and_python_bools_are_rewards_as_trl_converts_them(trl_file, processes):
+    # TRL takes a function's values as torch.tensor(values, dtype=torch.float32) (None as NaN): np.isclose's
+    # numpy.bool_ is a reward there, so it is here, in this process and from worker processes (pickled back)
+    import numpy as np
+
+    functions = [load_reward_function(f"{trl_file}:{name}") for name in ("numpy_matches", "numpy_kinds")]
+    examples, completions = _examples(["1", "2", "3", "4", "5"]), ["1", "7", "x", "4", "05"]
+    rewards = Rewards(functions, processes=processes)
+    try:
+        ours = rewards.score(examples, completions, [[1]] * 5, step=0)
+    finally:
+        rewards.close()
+    answers = [e.answer for e in examples]
+    theirs = [torch.tensor([torch.nan if v is None else v for v in f.func(completions=completions, answer=answers)],
+                           dtype=torch.float32) for f in functions]  # fmt: skip
+    assert isinstance(functions[0].func(completions=["1"], answer=["1"])[0], np.bool_)
+    torch.testing.assert_close(ours.float(), torch.stack(theirs, dim=1), equal_nan=True)
+    assert ours[:, 0].nan_to_num(-1).tolist() == [1.0, 0.0, -1.0, 1.0, 1.0]
+    assert ours[:, 1].tolist() == [2.0, 0.5, 1.0, 0.25, 3.0]
+    # what is not a number is still refused, naming the function and the row
+    rewards = Rewards([load_reward_function(f"{trl_file}:numpy_date")], processes=min(processes, 1))
+    try:
+        with pytest.raises(RewardError, match=r"reward function 'numpy_date' .* at step 0, row 1 \(prompt 'q1'\) "
+                                              r"returned datetime64 .*2026-12-06.*: a reward is a number or None"):
+            rewards.score(examples[:2], completions[:2], [[1]] * 2, step=0)
+    finally:
+        rewards.close()
+
+
 @pytest.mark.parametrize("name, processes", [("hangs", 0), ("sleeps", 0), ("hangs_async", 0), ("sleeps", 1)])
 def test_a_hung_reward_function_is_stopped_at_the_timeout(trl_file, name, processes):
     rewards = Rewards([load_reward_function(f"{trl_file}:{name}")], timeout_s=0.5, processes=processes)
@@ -181,6 +226,13 @@ def nan(completions, **kwargs):
 
 def not_a_list(completions, **kwargs):
     return 1.0
+
+def a_numpy_string(completions, **kwargs):
+    import numpy as np
+    return [np.float32(1.0), np.str_("high")]
+
+def a_complex(completions, **kwargs):
+    return [True, 1j]
 '''
 
 
@@ -191,6 +243,8 @@ def not_a_list(completions, **kwargs):
     ("infinite", r"'infinite' .* at step 2, row 1 \(prompt 'q1'\) returned inf: a reward is finite"),
     ("nan", r"'nan' .* at step 2, row 0 \(prompt 'q0'\) returned NaN: return None for a completion the function "),
     ("not_a_list", r"'not_a_list' .* at step 2 returned float, not one value per completion \(2\)"),
+    ("a_numpy_string", r"'a_numpy_string' .* row 1 \(prompt 'q1'\) returned str_ .*'high'.*: a reward is a number "),
+    ("a_complex", r"'a_complex' .* at step 2, row 1 \(prompt 'q1'\) returned complex 1j: a reward is a number or "),
 ])  # fmt: skip
 def test_a_reward_function_that_misbehaves_is_named_with_the_step_and_the_row(tmp_path, name, message):
     path = tmp_path / "bad.py"

@@ -1,8 +1,8 @@
 """One reward file and one dataset given to trl.GRPOTrainer and to this package's trainer: TRL's own pipeline
 (`_generate_and_score_completions`, with scripted completions) against `task.reward_funcs` on a dataset read by
 task.name = "dataset". The functions are called with the same keywords, give the same per-function rewards (None
-included), and the advantages agree: TRL divides by std + 1e-4 where group_advantages divides by std + 1e-6, so
-ours x (std + 1e-6) / (std + 1e-4) must equal TRL's."""
+and numpy.bool_ values included), and the advantages agree: TRL divides by std + 1e-4 where group_advantages divides
+by std + 1e-6, so ours x (std + 1e-6) / (std + 1e-4) must equal TRL's."""
 
 import json
 
@@ -38,10 +38,16 @@ def odd_only(completion_ids, **kwargs):
 async def length(completions, **kwargs):
     await asyncio.sleep(0)
     return [len(c.split()) / 8 for c in completions]
+
+def starts_even(completion_ids, **kwargs):
+    """numpy.bool_ values (numpy's comparisons give them), which TRL takes as 1.0 and 0.0."""
+    import numpy as np
+    return [np.int64(ids[0]) % 2 == 0 for ids in completion_ids]
 '''
 
 ROWS = [{"prompt": "t5 t6 t7", "solution": "3", "level": 1}, {"prompt": "t8 t9", "solution": "4", "level": 2}]
-WEIGHTS = [1.0, 0.5, 2.0]
+NAMES = ("token_share", "odd_only", "length", "starts_even")
+WEIGHTS = [1.0, 0.5, 2.0, 0.25]
 
 
 def test_the_same_reward_file_and_dataset_score_as_in_trl(tmp_path):
@@ -58,19 +64,19 @@ def test_the_same_reward_file_and_dataset_score_as_in_trl(tmp_path):
     args = trl.GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=8, num_generations=4,
                           max_completion_length=8, report_to="none", use_cpu=True, seed=0, bf16=False,
                           reward_weights=WEIGHTS)  # fmt: skip
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=[module.token_share, module.odd_only, module.length],
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=[getattr(module, name) for name in NAMES],
                               args=args, train_dataset=datasets.Dataset.from_list(ROWS),
                               processing_class=tokenizer())  # fmt: skip
     trainer._generate_single_turn = scripted_generate.__get__(trainer)
     out = trainer._generate_and_score_completions([dict(r) for r in ROWS for _ in range(4)])
-    theirs = torch.tensor([trainer._logs["rewards"][name] for name in ("token_share", "odd_only", "length")]).T
+    theirs = torch.tensor([trainer._logs["rewards"][name] for name in NAMES]).T
     trl_call = module.calls["token_share"][-1]
 
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    specs = ",".join(f"{tmp_path}/my_rewards.py:{name}" for name in ("token_share", "odd_only", "length"))
+    specs = ",".join(f"{tmp_path}/my_rewards.py:{name}" for name in NAMES)
     config = load_config(None, ["task.name=dataset", f"task.dataset={data}", "task.num_eval_prompts=0",
-                                f"task.reward_funcs={specs}", "task.reward_weights=1,0.5,2"])  # fmt: skip
+                                f"task.reward_funcs={specs}", "task.reward_weights=1,0.5,2,0.25"])  # fmt: skip
     task, train, _ = task_examples(config)
     by_prompt = {e.prompt: e for e in train}
     examples = [by_prompt[r["prompt"]] for r in ROWS for _ in range(4)]
@@ -80,6 +86,7 @@ def test_the_same_reward_file_and_dataset_score_as_in_trl(tmp_path):
     assert ours[:, 1].isnan().tolist() == theirs[:, 1].isnan().tolist() and ours[:, 1].isnan().any()
     assert_close(ours.nan_to_num(-7).float(), theirs.nan_to_num(-7), name="per-function rewards", rtol=1e-6,
                  atol=1e-7)  # fmt: skip
+    assert set(ours[:, 3].tolist()) == {0.0, 1.0}  # the numpy.bool_ function, both values among the completions
 
     n = len(examples)
     rollout = Rollout(prompt_ids=[torch.tensor([1])] * n, completion_ids=[torch.tensor(c) for c in trl_call["ids"]],
@@ -89,6 +96,6 @@ def test_the_same_reward_file_and_dataset_score_as_in_trl(tmp_path):
     adjusted = scored.advantages.advantages * (std + 1e-6) / (std + 1e-4)
     assert_close(adjusted, out["advantages"].float(), name="advantages", rtol=1e-5, atol=1e-6)
     metrics = task.rewards.metrics(scored.rewards_per_func)
-    for k, name in enumerate(("token_share", "odd_only", "length")):
+    for k, name in enumerate(NAMES):
         values = theirs[:, k][~theirs[:, k].isnan()]
         assert metrics[f"rewards/{name}/mean"] == pytest.approx(values.mean().item(), rel=1e-6)

@@ -9,11 +9,14 @@ import pytest
 from grpo_kernels.cli import main
 
 REWARDS = '''
+import numpy as np
+
 def same_number(completions, answer, **kwargs):
+    """np.isclose's numpy.bool_ (TRL takes it as 1.0 or 0.0), 0.0 where the completion is no number."""
     out = []
     for c, a in zip(completions, answer):
         try:
-            out.append(float(float(c) == float(a)))
+            out.append(np.isclose(float(c), float(a)))
         except ValueError:
             out.append(0.0)
     return out

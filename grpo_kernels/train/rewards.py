@@ -13,7 +13,9 @@ TRL's calling convention: keyword arguments `prompts`, `completions`, `completio
 every other column of the examples as a list (the built-in tasks have one, `answer`), `trainer_state` (its
 `global_step`: optimizer steps done) and `log_metric(name, value)` (the step's metrics line gets the mean under
 that name). A conversational prompt is its list of messages and its completion `[{"role": "assistant", "content":
-text}]`, as TRL passes them. The function returns one number or None per completion. A function with verl's
+text}]`, as TRL passes them. The function returns one number or None per completion (a number: what TRL's
+`torch.tensor(values, dtype=torch.float32)` takes, a bool, int or float, numpy's scalars such as np.isclose's
+numpy.bool_ too; a list, tuple, tensor or numpy array of them). A function with verl's
 signature, `compute_score(data_source, solution_str, ground_truth, extra_info=None)`, is called once per completion
 with the completion's text, the columns `data_source` (default: the task's name), `ground_truth` (or
 `reward_model["ground_truth"]`, or `answer`) and `extra_info`; it returns a number, or a dict with a "score".
@@ -44,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from .config_task import is_file_spec, resolve_spec
@@ -305,7 +308,7 @@ class Rewards:
     def _checked(self, f: RewardFunction, values, n: int, step: int, kwargs: dict) -> torch.Tensor:
         """The function's values as [n] float64 (None -> NaN); RewardError naming the function, step and row."""
         where = f"reward function {f.name!r} ({f.spec}) at step {step}"
-        if isinstance(values, torch.Tensor):
+        if isinstance(values, torch.Tensor | np.ndarray):
             values = values.tolist()
         if isinstance(values, str | bytes) or not hasattr(values, "__len__"):
             raise RewardError(f"{where} returned {type(values).__name__}, not one value per completion ({n})")
@@ -317,11 +320,10 @@ class Rewards:
             if v is None:
                 out.append(float("nan"))
                 continue
-            if isinstance(v, torch.Tensor) and v.numel() == 1:
-                v = v.item()
-            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            number = _number(v)
+            if number is None:
                 raise RewardError(f"{row} returned {type(v).__name__} {_short(v)}: a reward is a number or None")
-            v = float(v)
+            v = number
             if math.isnan(v):
                 raise RewardError(f"{row} returned NaN: return None for a completion the function does not apply "
                                   "to")  # fmt: skip
@@ -329,6 +331,17 @@ class Rewards:
                 raise RewardError(f"{row} returned {v}: a reward is finite")
             out.append(v)
         return torch.tensor(out, dtype=torch.float64)
+
+
+def _number(v) -> float | None:
+    """v as a float when it is a number as TRL's torch.tensor(values, dtype=float32) takes one: a bool, int or float,
+    numpy's bool, integer and floating scalars (np.isclose gives a numpy.bool_), a one-element tensor or array;
+    None for anything else (a string, a complex number, a date)."""
+    if (isinstance(v, torch.Tensor) and v.numel() == 1) or (isinstance(v, np.ndarray) and v.size == 1):
+        v = v.item()
+    if isinstance(v, np.generic):
+        v = v.item()  # numpy.bool_ -> bool, numpy.int64 -> int, numpy.float32 -> float (a longdouble stays one)
+    return float(v) if isinstance(v, numbers.Real) else None
 
 
 def _ignore(name, value) -> None:

@@ -153,8 +153,9 @@ void seq_portable(const T* x, const Params& p, const Seq& q, int64_t t0, int64_t
           const float be = std::exp(dr + p.log_beta);
           direct += fin ? p.beta * w - bew : times_w(p.beta - be, w);
           dpol += be - p.beta * (dr + 1.f);
-        } else {
-          direct += times_w(-p.beta * dr, w);  // the whole d(beta k3 w)/dlogp, without exp(dr) cancelling
+        } else {  // the whole d(beta k3 w)/dlogp, -beta dr w (without exp(dr) cancelling), joins dl/dw before the
+                  // one product with w: for w = inf, -A and -beta dr of opposite signs give their sum's sign, not NaN
+          dpol -= p.beta * dr;
         }
       } else {
         const float be = std::exp(dr + p.log_beta);
@@ -273,11 +274,13 @@ GRPO_AVX512 void seq_avx512(const T* x, const Params& p, const Seq& q, int64_t t
       __m512 pol, dpol = zero, direct = zero, phi = zero;
       __mmask16 low = 0, high = 0;
       // min_ps / max_ps return their 2nd operand when either is NaN: the operand that may be NaN goes 2nd, so
-      // NaN propagates as in torch (a1 is NaN only when a2 is: A or w NaN).
+      // NaN propagates as in torch. a1 and a2 may each be NaN alone (A = inf and w = 0: a1 = inf 0, a2 = inf):
+      // their min takes a NaN a1 back.
       if constexpr (kLoss == 0) {
         const __m512 wm = _mm512_min_ps(delta, w), clipped = _mm512_min_ps(hi, _mm512_max_ps(lo, w));
         const __m512 a1 = times_w(adv, wm), a2 = _mm512_mul_ps(clipped, adv);
-        pol = _mm512_xor_ps(_mm512_min_ps(a1, a2), neg0);
+        const __m512 lesser = _mm512_mask_mov_ps(_mm512_min_ps(a1, a2), _mm512_cmp_ps_mask(a1, a1, _CMP_UNORD_Q), a1);
+        pol = _mm512_xor_ps(lesser, neg0);
         const __m512 g1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(w, delta, _CMP_LE_OQ), nadv);
         const __mmask16 in = _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(w, lo, _CMP_GE_OQ), w, hi, _CMP_LE_OQ);
         const __m512 g2 = _mm512_maskz_mov_ps(in, nadv);
@@ -342,8 +345,8 @@ GRPO_AVX512 void seq_avx512(const T* x, const Params& p, const Seq& q, int64_t t
             direct = _mm512_add_ps(direct, _mm512_mask_blend_ps(fin, times_w(_mm512_sub_ps(beta, be), w),
                                                                 _mm512_sub_ps(_mm512_mul_ps(beta, w), bew)));
             dpol = _mm512_add_ps(dpol, _mm512_sub_ps(be, bdr1));
-          } else {
-            direct = _mm512_add_ps(direct, times_w(_mm512_xor_ps(_mm512_mul_ps(beta, dr), neg0), w));
+          } else {  // -beta dr joins dl/dw (see seq_portable)
+            dpol = _mm512_sub_ps(dpol, _mm512_mul_ps(beta, dr));
           }
         } else {
           const __m512 be = exp_clamped(_mm512_add_ps(dr, log_beta));

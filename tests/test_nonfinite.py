@@ -199,6 +199,38 @@ def test_unclipped_overflow_is_inf_not_nan_and_spares_other_tokens(impl, triton_
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_unclipped_overflow_with_the_bias_corrected_kl_gives_the_sign_of_the_sum_not_nan(impl, triton_device):
+    """w = exp(100) with A < 0 (no delta) and the bias-corrected KL term: d/dlogp = w (-A - beta dr), whose two parts
+    each overflow fp32 with opposite signs where dr > 0. The token's gradient is +-inf with the sign of the sum, as
+    the fp64 reference rounded to fp32 (before: inf - inf = NaN on Triton and C++); with beta = 0.5 and dr = 3 the
+    KL part wins."""
+    dev = device_for(impl, triton_device)
+    x = _overflowing(dev, "token", [0, 2, 4])
+    x["ref"] = x["logps"] + torch.where(torch.arange(21, device=dev) % 2 == 0, 3.0, -3.0).double()
+    for loss_type in ("grpo", "dapo", "luspo"):
+        for beta in (0.04, 0.5):
+            kw = dict(loss_type=loss_type, beta=beta, use_bias_correction_kl=True)
+            loss, grad = check_all(impl, x, **kw)
+            assert loss.item() == float("inf") and not bool(torch.isnan(grad).any()), kw
+            on = x["mask"][[2, 4]][:, [0, 2]] != 0
+            signs = torch.sign(grad[[2, 4]][:, [0, 2]])[on]
+            assert bool(on.any()) and bool((signs == (1.0 if beta == 0.04 else -1.0)).all()), kw
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_an_infinite_advantage_times_a_zero_ratio_is_nan_as_in_the_reference(impl, triton_device):
+    """logp = -inf (w = 0) with A = inf: w A = 0 inf = NaN, so the loss is NaN on every backend, as the reference's
+    (before: the AVX-512 C++ kernel's min of a NaN and an inf dropped the NaN: -inf)."""
+    dev = device_for(impl, triton_device)
+    x = make_batch(device=dev)
+    x["adv"][1] = float("inf")
+    x["logps"][1, 0] = float("-inf")
+    for loss_type in ("grpo", "bnpo", "dapo"):
+        loss, grad = check_all(impl, x, loss_type=loss_type)
+        assert torch.isnan(loss) and bool(torch.isnan(grad[1, 0])), loss_type
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_kl_term_finite_wherever_its_fp64_value_fits_fp32(impl, triton_device):
     """ref - logp = 90: exp overflows fp32 but beta exp = 4.9e37 does not (no bias correction; the "kl" metric, a
     mean of per-token k3 with one of 1.2e39, is inf). A collapsed token (logp = -150, old = -1, ref = -2) with the

@@ -273,8 +273,10 @@ def _grpo_loss_fwd_kernel(
                 if SEQ_LEVEL:  # d/dlogp with w_s fixed: beta (1 - e) w_s;  d/dw_s: beta k3
                     direct = direct + tl.where(fin, beta * w - bew, _times_w(beta - be, w))
                     dpol_dw = dpol_dw + be - beta * (dr + 1.0)
-                else:  # the whole derivative of beta k3 w in logp: -beta dr w (no exp(dr) cancellation)
-                    direct = direct + _times_w(-beta * dr, w)
+                else:  # the whole derivative of beta k3 w in logp, -beta dr w (no exp(dr) cancellation), joins the
+                    # policy's dl/dw before the one product with w: for w = inf an unclipped -A and -beta dr of
+                    # opposite signs give the sign of their sum, not inf - inf = NaN
+                    dpol_dw = dpol_dw - beta * dr
             else:
                 kl_term = be - beta * (dr + 1.0)
                 direct = direct + (beta - be)

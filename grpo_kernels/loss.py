@@ -5,14 +5,17 @@ Non-finite values, the same on every backend (reference, C++, Triton) and loss t
     - a NaN in logps, old_logps, advantages or (beta > 0) ref_logps of a token with m != 0 propagates: the loss
       is NaN (never inf or a finite number), that token's gradient is NaN (at sequence level, where the
       sequence's ratio is NaN, every token's of the sequence), the other sequences' gradients are unaffected;
-      a NaN mask entry (NaN != 0: its token takes part) makes that token's term m l NaN, and the normalizers that
+    - a NaN mask entry (NaN != 0: its token takes part) makes that token's term m l NaN, and the normalizers that
       sum the mask: the loss is NaN, and so is every gradient such a normalizer scales (every token's for bnpo,
-      vespo and dapo / cispo without num_items_in_batch, the sequence's for grpo / sapo, else that token's own);
-      the C++ and Triton backends take a token's gradient as the product (d loss / d sum m l) m dl/dlogp, so there
+      vespo and dapo / cispo without num_items_in_batch, the sequence's for grpo / sapo, else that token's own).
+      The C++ and Triton backends take a token's gradient as the product (d loss / d sum m l) m dl/dlogp, so there
       a masked or clipped token's is NaN too, where the reference's autograd gives 0 through the mask or the clip;
-      sampler_logps go through nan_to_num, as in TRL; vespo's phi too (TRL's nan_to_num): a NaN in a
-      sequence's ratio sets its phi to 0, so the policy gradient of that sequence is 0 (its loss is NaN only
-      through a NaN term, e.g. a NaN logp);
+      and a NaN loss term (also one of inf * 0 or inf - inf, e.g. cispo's stop-gradient ratio 0 times logp = -inf)
+      has a NaN gradient there. An infinite mask entry is a weight like the others (inf / inf = NaN where it meets
+      its normalizer); the clip fractions and sampler_logp_abs_diff add m over the flagged (non-NaN) tokens only;
+    - sampler_logps go through nan_to_num, as in TRL (in fp32: inf -> FLT_MAX); vespo's phi too (TRL's
+      nan_to_num): a NaN in a sequence's ratio sets its phi to 0, so the policy gradient of that sequence is 0
+      (its loss is NaN only through a NaN term, e.g. a NaN logp);
     - w is computed in fp32 (the reference: in the input's dtype): for log w > 88.72 it is inf. The C++ and
       Triton backends never turn that into NaN: where it meets an exact zero (a clipped branch, A = 0, a zero
       derivative or sampler weight) the result is 0, as in exact arithmetic, so a clipped token has a zero

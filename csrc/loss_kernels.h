@@ -142,12 +142,13 @@ void seq_portable(const T* x, const Params& p, const Seq& q, int64_t t0, int64_t
       const float diff = std::min(std::fabs(lp - s), FLT_MAX);  // nan_to_num: inf -> FLT_MAX
       if (diff == diff) acc[8] += m * diff;
     }
+    bool kl_nan = false;
     if (p.ref) {
       const float dr = p.ref[t] - lp;
       float term;  // beta k3 k
       if (p.bias_kl) {
         const float bew = std::exp(dr + log_w + p.log_beta);  // beta exp(dr) w
-        const bool fin = w < INFINITY;                          // w = inf: inf (k3 > 0) or 0 (dr = 0)
+        const bool fin = w != INFINITY;  // w = inf: inf (k3 > 0) or 0 (dr = 0); a NaN w: NaN, as the reference
         term = fin ? bew - p.beta * (dr + 1.f) * w : times_w(dr * dr, w);
         if constexpr (kSeq) {
           const float be = std::exp(dr + p.log_beta);
@@ -163,6 +164,7 @@ void seq_portable(const T* x, const Params& p, const Seq& q, int64_t t0, int64_t
         direct += p.beta - be;
       }
       pol += term;
+      kl_nan = term != term;
       acc[7] += m * (term / p.beta);
     }
     float c;
@@ -172,7 +174,8 @@ void seq_portable(const T* x, const Params& p, const Seq& q, int64_t t0, int64_t
     } else {
       c = m * (times_w(dpol, w) + direct);
     }
-    coef[t] = kLoss != 3 && pol != pol ? pol : c;  // a NaN loss term has a NaN gradient (vespo: -phi A)
+    // a NaN loss term has a NaN gradient (vespo: -phi A, unless its KL term is NaN)
+    coef[t] = pol != pol && (kLoss != 3 || kl_nan) ? pol : c;
     acc[0] += m * pol;
     acc[1] += m;
     if constexpr (kLoss == 3) acc[3] += m * phi;
@@ -332,13 +335,14 @@ GRPO_AVX512 void seq_avx512(const T* x, const Params& p, const Seq& q, int64_t t
         const __m512 diff = _mm512_min_ps(raw, big);                              // inf -> FLT_MAX
         acc[8] = _mm512_mask_add_ps(acc[8], ok, acc[8], _mm512_mul_ps(m8, diff));
       }
+      __mmask16 kl_nan = 0;
       if (p.ref) {
         const __m512 dr = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, p.ref + j), lp);
         const __m512 bdr1 = _mm512_mul_ps(beta, _mm512_add_ps(dr, one));  // beta (dr + 1)
         __m512 term;                                                      // beta k3 k (see seq_portable)
         if (p.bias_kl) {
           const __m512 bew = exp_clamped(_mm512_add_ps(_mm512_add_ps(dr, lw), log_beta));
-          const __mmask16 fin = _mm512_cmp_ps_mask(w, inf, _CMP_LT_OQ);
+          const __mmask16 fin = _mm512_cmp_ps_mask(w, inf, _CMP_NEQ_UQ);  // (NaN: the finite branch, NaN)
           term = _mm512_mask_blend_ps(fin, times_w(_mm512_mul_ps(dr, dr), w), _mm512_fnmadd_ps(bdr1, w, bew));
           if constexpr (kSeq) {
             const __m512 be = exp_clamped(_mm512_add_ps(dr, log_beta));
@@ -354,6 +358,7 @@ GRPO_AVX512 void seq_avx512(const T* x, const Params& p, const Seq& q, int64_t t
           direct = _mm512_add_ps(direct, _mm512_sub_ps(beta, be));
         }
         pol = _mm512_add_ps(pol, term);
+        kl_nan = _mm512_cmp_ps_mask(term, term, _CMP_UNORD_Q);
         acc[7] = _mm512_mask_add_ps(acc[7], on, acc[7], _mm512_mul_ps(m8, _mm512_div_ps(term, beta)));
       }
       __m512 c;
@@ -363,8 +368,8 @@ GRPO_AVX512 void seq_avx512(const T* x, const Params& p, const Seq& q, int64_t t
       } else {
         c = _mm512_maskz_mul_ps(on, m, _mm512_add_ps(times_w(dpol, w), direct));
       }
-      if constexpr (kLoss != 3)  // NaN term: NaN grad (vespo: -phi A)
-        c = _mm512_mask_mov_ps(c, _mm512_mask_cmp_ps_mask(on, pol, pol, _CMP_UNORD_Q), pol);
+      // NaN term: NaN grad (vespo: -phi A, unless its KL term is NaN)
+      c = _mm512_mask_mov_ps(c, _mm512_mask_cmp_ps_mask(kLoss != 3 ? on : on & kl_nan, pol, pol, _CMP_UNORD_Q), pol);
       _mm512_mask_storeu_ps(coef + j, k, c);
       acc[0] = _mm512_mask_add_ps(acc[0], on, acc[0], _mm512_mul_ps(m8, pol));
       acc[1] = _mm512_add_ps(acc[1], m);

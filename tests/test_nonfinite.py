@@ -231,6 +231,19 @@ def test_an_infinite_advantage_times_a_zero_ratio_is_nan_as_in_the_reference(imp
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_vespo_nan_ratio_with_the_bias_corrected_kl_is_nan_even_where_ref_equals_logp(impl, triton_device):
+    """vespo zeroes a NaN ratio's policy term (phi = 0), but its bias-corrected KL term k3 w is NaN: also where
+    ref = logp (k3 = 0, 0 NaN = NaN), as the reference's (before: the kernels took the w = inf branch for a NaN
+    w, 0 for dr = 0, so the loss was finite and the token's gradient 0)."""
+    dev = device_for(impl, triton_device)
+    x = make_batch(device=dev)
+    x["old"][0, 1] = NAN
+    x["ref"][0, 1] = x["logps"][0, 1]
+    loss, grad = check_all(impl, x, loss_type="vespo", beta=0.04, use_bias_correction_kl=True)
+    assert torch.isnan(loss) and bool(torch.isnan(grad[0, 1]))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_kl_term_finite_wherever_its_fp64_value_fits_fp32(impl, triton_device):
     """ref - logp = 90: exp overflows fp32 but beta exp = 4.9e37 does not (no bias correction; the "kl" metric, a
     mean of per-token k3 with one of 1.2e39, is inf). A collapsed token (logp = -150, old = -1, ref = -2) with the

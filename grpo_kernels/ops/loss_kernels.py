@@ -266,7 +266,7 @@ def _grpo_loss_fwd_kernel(
             # exp(dr) alone overflows (a token the policy has all but ruled out).
             be = tl.exp(dr + log_beta)
             bew = tl.exp(dr + log_w + log_beta)
-            fin = w < float("inf")
+            fin = w != float("inf")  # (a NaN w takes the finite branch: NaN, as the reference's k3 w)
             if bias_kl != 0:
                 # For w = inf the term is inf (k3 > 0), or 0 where dr = 0 (k3 = 0): _times_w(dr * dr, w).
                 kl_term = tl.where(fin, bew - beta * (dr + 1.0) * w, _times_w(dr * dr, w))
@@ -287,8 +287,10 @@ def _grpo_loss_fwd_kernel(
             acc_dw += tl.sum(tl.where(on, m * dpol_dw, 0.0).to(tl.float64), axis=0)
         else:
             coef = m * (_times_w(dpol_dw, w) + direct)
-        if LOSS != 3:  # a NaN loss term has a NaN gradient (vespo's -phi A is its gradient even for a NaN logp)
+        if LOSS != 3:  # a NaN loss term has a NaN gradient (vespo's -phi A is its gradient even for a NaN logp) ...
             coef = tl.where(pol != pol, pol, coef)
+        elif HAS_KL:  # ... but not its KL term's (a NaN w times dr = 0 in d/dlogp)
+            coef = tl.where(kl_term != kl_term, kl_term, coef)
         coef = tl.where(on, coef, 0.0)
         tl.store(coef_ptr + offs, coef, mask=inb)
         acc_loss += tl.sum(tl.where(on, m * pol, 0.0).to(tl.float64), axis=0)

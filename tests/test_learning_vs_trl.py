@@ -290,6 +290,20 @@ def test_the_endpoints_read_the_last_evaluation_and_count_collapses_at_any_step(
     assert "p = 0.400" in text  # 2 of 3 against 0 of 3
 
 
+def test_the_endpoints_of_a_study_part_way_with_no_seed_in_both_trainers_yet(tmp_path):
+    """A study that runs seed by seed has, after its first runs, seeds of one trainer that the other has not run:
+    the report (written after every run) says so instead of failing (it raised ZeroDivisionError and stopped the
+    study's worker)."""
+    rows = [{"trainer": t, "loss_type": "dapo", "seed": k, "step": step, "eval_success": value}
+            for t, k in (("trl", 20), ("grpo_kernels", 21)) for step, value in ((-1, 0.2), (3, 0.3))]  # fmt: skip
+    for t, k in (("trl", 20), ("grpo_kernels", 21)):
+        run = tmp_path / "runs" / f"{t}_dapo_seed{k}"
+        run.mkdir(parents=True)
+        run.joinpath("metrics.jsonl").write_text("")
+    text = "\n".join(learning_vs_trl.endpoint_lines(tmp_path, rows))
+    assert "1 against 1 seeds: not resolved); paired by seed none yet (no seed has run in both)." in text
+
+
 def test_the_study_runs_its_recipe_bonus_whatever_the_tasks_default(tmp_path):
     """The default recipe (endpoints.md) is arith with the bare-integer bonus at 0.2: both trainers get it explicitly,
     and the summary's command says it, now that the task's own default is 0."""

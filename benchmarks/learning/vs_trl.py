@@ -326,12 +326,16 @@ def endpoint_lines(results: Path, rows: list[dict]) -> list[str]:
             continue
         welch = welch_difference(list(end["grpo_kernels"].values()), list(end["trl"].values()))
         common = sorted(set(end["trl"]) & set(end["grpo_kernels"]))
-        paired = mean_ci([end["grpo_kernels"][k] - end["trl"][k] for k in common])
         resolved = lambda d: "resolved" if abs(d[0]) > d[1] else "not resolved"  # noqa: E731 (nan: not resolved)
+        if common:
+            paired = mean_ci([end["grpo_kernels"][k] - end["trl"][k] for k in common])
+            by_seed = f"{paired[0]:+.3f} ± {paired[1]:.3f} ({len(common)} seeds: {resolved(paired)})"
+        else:  # (a study part-way, each trainer's seeds not yet the other's)
+            by_seed = "none yet (no seed has run in both)"
         lines += [f"## Endpoints, loss {loss_type}", "",
                   f"- Held-out success after step {last + 1}, ours - TRL: {welch[0]:+.3f} ± {welch[1]:.3f} (Welch, "
                   f"{len(end['grpo_kernels'])} against {len(end['trl'])} seeds: {resolved(welch)}); paired by seed "
-                  f"{paired[0]:+.3f} ± {paired[1]:.3f} ({len(common)} seeds: {resolved(paired)})."]  # fmt: skip
+                  f"{by_seed}."]  # fmt: skip
         counts = {}
         for t in ("trl", "grpo_kernels"):
             runs = {seed: results / "runs" / f"{t}_{loss_type}_seed{seed}" for seed in sorted(end[t])}

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from grpo_kernels.cli import main
 from grpo_kernels.train import checkpoint as ckpt
-from grpo_kernels.train import trainer
+from grpo_kernels.train import colocated, trainer
 from grpo_kernels.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, verify_checkpoint
 from grpo_kernels.train.config_io import load_config
 from grpo_kernels.train.fsdp import SINGLE
@@ -243,7 +243,7 @@ def test_a_resumed_run_keeps_the_earlier_steps_lines_on_disk_before_its_first_st
         on_disk.update({name: (run / name).read_text() for name in ("metrics.jsonl", "completions.jsonl")})
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(trainer, "collect", killed)
+    monkeypatch.setattr(colocated, "collect", killed)
     with pytest.raises(KeyboardInterrupt):
         main(["train", "--resume", str(run), "--checkpoint.resume_step=1"])
     for name in ("metrics.jsonl", "completions.jsonl"):

@@ -232,3 +232,61 @@ def test_an_error_mid_run_closes_every_log_file_and_tracker(tmp_path, monkeypatc
         _short_run(tmp_path / "run", "--task.name=add", "--logging.completions_every=1", "--task.eval_every=1")
     assert len(opened) == 3 and all(f.closed for f in opened) and closed == ["trackers"]
     assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [0]
+
+
+def test_an_error_in_the_final_evaluation_closes_the_vllm_engine_and_the_process_group(tmp_path, monkeypatch):
+    """Every resource is on train()'s one stack: when the final held-out evaluation raises, the colocated vLLM
+    sampler is still shut down, and after it the process group is ended (both used to run after that evaluation,
+    on the success path only). A one-rank gloo group in this process; the engine is the HF sampler with a recording
+    close(), standing in for vLLM's."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from grpo_kernels.train import build, colocated, rollout_server, run_files
+
+    closed, opened, evaluations = [], [], []
+
+    class RecordingSampler:
+        def __init__(self, sampler):
+            self.sampler = sampler
+
+        def sample(self, *args, **kwargs):
+            return self.sampler.sample(*args, **kwargs)
+
+        def load_weights(self, state_dict):
+            self.sampler.load_weights(state_dict)
+
+        def close(self):
+            closed.append(("sampler", dist.is_initialized()))
+
+    def make_sampler(config, model, tok, d):
+        hf = dataclasses.replace(config, sampling=dataclasses.replace(config.sampling, sampler="hf"))
+        return RecordingSampler(build.make_sampler(hf, model, tok, d))
+
+    held_out = colocated.held_out
+
+    def failing_held_out(*args, **kwargs):
+        evaluations.append(1)
+        if len(evaluations) == 2:  # the first is the one before RL, the second the final one
+            raise RuntimeError("the final evaluation fails")
+        return held_out(*args, **kwargs)
+
+    log_file = run_files.log_file
+    monkeypatch.setattr(run_files, "log_file", lambda path, kept: opened.append(log_file(path, kept)) or opened[-1])
+    monkeypatch.setattr(colocated, "make_sampler", make_sampler)
+    monkeypatch.setattr(colocated, "held_out", failing_held_out)
+    for name, value in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(rollout_server.free_port())}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    try:
+        with pytest.raises(RuntimeError, match="the final evaluation fails"):
+            _short_run(tmp_path / "run", "--task.name=add", "--sampling.sampler=vllm", "--task.eval_every=0",
+                       "--distributed.backend=gloo")  # fmt: skip
+        assert len(evaluations) == 2 and closed == [("sampler", True)]
+        assert not dist.is_initialized()
+        assert opened and all(f.closed for f in opened)
+        assert not (tmp_path / "run" / "summary.json").exists()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

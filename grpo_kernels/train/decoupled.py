@@ -1,11 +1,13 @@
-"""`sampling.placement = "decoupled"`: the trainer's side of rollout servers on their own devices.
+"""`sampling.placement = "decoupled"`: the trainer's side of rollout servers on their own devices, a `RolloutSource`
+(train/rollout_source.py).
 
-    rollouts = Decoupled.start(config, model, tok, d, run_dir, log)     # before sharding: writes the servers' model
-    rollouts.connect(policy.model)                                     # after sharding: the weight stream
-    rollouts.sync(first)                                               # the servers get the trainer's weights
-    pipeline = rollouts.pipeline(produce, first=..., last=...)         # batches sampled in a thread on rank 0
-    item = rollouts.get(pipeline, step)                                # every rank: the batch of this step
-    metrics.update(rollouts.update(pipeline, step + 1))                # after the optimizer step: weights out
+    rollouts = Decoupled.open(config, model, tok, task, train_set, eval_set, d, run_dir, log)
+                                                                       # before sharding: the servers' model
+    rollouts.begin(policy, version=first, resumed=...)                 # after sharding: the weight stream; the
+                                                                       # servers get the trainer's weights
+    rollouts.start(first=..., last=..., group_size=...)                # batches sampled in a thread on rank 0
+    batch = rollouts.batch(step)                                       # every rank: the batch of this step
+    metrics.update(rollouts.sync(policy, step + 1))                    # after the optimizer step: weights out
     rollouts.close()
 
 Only rank 0 talks to the servers: it samples every group (group k on server k % n) and sends the weights; every
@@ -30,10 +32,12 @@ from urllib.parse import urlparse
 import torch
 
 from ..packing import pack_sequences
-from .fsdp import all_gather_objects
+from .fsdp import SINGLE, all_gather_objects
 from .preflight import parse_cores
 from .rollout_server import RolloutServer, RolloutServerError, ServerClient, ServerSampler, free_port
+from .sampling import HeldOut, collect, held_out
 from .step import completion_logprobs
+from .tasks import PromptStream
 from .vllm_sampler import _checkpoint_weight_names, save_hf_model
 
 __all__ = ["Decoupled", "RolloutPipeline", "RolloutServerError"]
@@ -113,21 +117,24 @@ class RolloutPipeline:
 
 
 class Decoupled:
-    """Rollout servers started (or reached) by trainer rank 0, the sampler over them, the weight stream."""
+    """Rollout servers started (or reached) by trainer rank 0, the sampler over them, the weight stream, the
+    pipeline that samples ahead; the prompt stream (drawn by rank 0's thread) and the held-out examples."""
 
-    def __init__(self, config, tok, d, started, clients, sampler, model_dir: Path, log):
+    def __init__(self, config, tok, task, stream, eval_set, d, started, clients, sampler, model_dir: Path, log):
         self.config, self.s, self.tok, self.d, self.log = config, config.sampling, tok, d, log
+        self.task, self.stream, self.eval_set = task, stream, eval_set
         self.started, self.clients, self.sampler, self.model_dir = started, clients, sampler, model_dir
-        self.sync_engine = None
-        self.check_sequence = None
+        self.sync_engine, self.pipeline, self.group_size = None, None, None
+        example = stream.examples[0]  # every sync checks the weights on the first training example
+        self.check_sequence = (tok.encode_prompt(example.prompt), tok.encode(example.answer, eos=True))
 
     @classmethod
-    def start(cls, config, model, tok, d, run_dir: Path, log) -> "Decoupled":
+    def open(cls, config, model, tok, task, train_set, eval_set, d, run_dir: Path, log) -> "Decoupled":
         """Rank 0: write the model for the servers, start them (or reach sampling.server_urls), set their
         temperature. Other ranks: nothing but the model directory's name. A started server's --max-model-len is
         model.generation_config.max_length (set by the trainer's `build`: the longest prompt + max_new_tokens, or
         sampling.max_model_len)."""
-        s = config.sampling
+        s, stream = config.sampling, PromptStream(train_set, config.seed)
         model_dir = Path(run_dir) / "rollout-model"
         started, clients, sampler = [], [], None
         cpus = _split_cores(s, log) if not torch.cuda.is_available() and not s.server_urls else None
@@ -163,7 +170,22 @@ class Decoupled:
                     server.stop()
                 shutil.rmtree(model_dir, ignore_errors=True)  # a run that could not start leaves nothing
                 raise
-        return cls(config, tok, d, started, clients, sampler, model_dir, log)
+        t = config.task
+        if t.reward_timeout_s and not t.reward_processes:
+            log(f"warning: task.reward_timeout_s = {t.reward_timeout_s} bounds no plain reward function here: "
+                "decoupled sampling scores in its own thread, where a hung call cannot be stopped (set "
+                "task.reward_processes to run them in processes that can)")  # fmt: skip
+        return cls(config, tok, task, stream, eval_set, d, started, clients, sampler, model_dir, log)
+
+    def begin(self, policy, *, version: int, resumed: bool) -> None:
+        """Every rank, a new run's too: the weight stream connected, the trainer's weights sent to the servers, the
+        sync checked and logged."""
+        self.connect(policy.model, self.check_sequence)
+        synced = self.send(policy, version)
+        if self.d.is_main:
+            self.log(f"weights sent to the rollout servers: {synced['weight_sync_bytes'] / 2**20:.1f} MiB in "
+                     f"{synced['weight_sync_s']:.2f} s, log-prob check "
+                     f"{synced.get('weight_sync_logp_max_diff', 0):.2e}")  # fmt: skip
 
     def connect(self, model, check_example) -> None:
         """The weight stream from `model` (FSDP-sharded or not), on every rank; check_example: (prompt ids,
@@ -219,26 +241,51 @@ class Decoupled:
                 diff = max(diff, float((theirs - mine).abs().max()))
         return diff
 
-    def pipeline(self, produce, *, first: int, last: int) -> RolloutPipeline | None:
-        if not self.d.is_main:
-            return None
-        return RolloutPipeline(produce, first=first, last=last, max_staleness=self.config.sampling.max_staleness,
-                               version=first)  # fmt: skip
-
-    def get(self, pipeline, step: int) -> dict:
-        """Every rank: the batch of `step` (rank 0 waits for its thread, then broadcasts it)."""
-        item = pipeline.get(step) if self.d.is_main else None
-        return all_gather_objects(item, self.d)[0] if self.d.distributed else item
-
-    def update(self, pipeline, policy, version: int, *, weights: bool = True) -> dict:
-        """Every rank, after an optimizer step: the new weights to the servers (version = steps done)."""
+    def start(self, *, first: int, last: int, group_size) -> None:
+        """Rank 0: the thread that samples the batches of steps first..last-1 (other ranks receive them)."""
+        self.group_size = group_size
         if self.d.is_main:
-            return pipeline.update(lambda: self.send(policy, version, weights=weights), version)
-        return self.send(policy, version, weights=weights)
+            self.pipeline = RolloutPipeline(self._produce, first=first, last=last, max_staleness=self.s.max_staleness,
+                                            version=first)  # fmt: skip
+
+    def _produce(self, step: int) -> dict:
+        """Rank 0, the sampling thread: the batch of `step`."""
+        g = self.group_size()
+        self.sampler.versions.clear()
+        rollout, sampled, rounds, tokens = collect(self.config, self.sampler, self.tok, self.task, self.stream.take,
+                                                   step, g, SINGLE)  # fmt: skip
+        item = {"rollout": rollout, "sampled": sampled, "rounds": rounds, "tokens": tokens, "group_size": g,
+                "prompt_state": self.stream.state_dict(), "reward_logged": self.task.rewards.take_logged()}  # fmt: skip
+        if self.sampler.versions:  # the weight version the servers report for the batch's tokens
+            item["version"] = min(self.sampler.versions)
+        return item
+
+    def batch(self, step: int) -> dict:
+        """Every rank: the batch of `step` (rank 0 waits for its thread, then broadcasts it)."""
+        item = self.pipeline.get(step) if self.d.is_main else None
+        batch = all_gather_objects(item, self.d)[0] if self.d.distributed else item
+        batch["timing"] = {"rollout_staleness": step - batch["version"], "rollout_generate_s": batch["generate_s"],
+                           "rollout_wait_s": batch["wait_s"]}  # fmt: skip
+        return batch
+
+    def sync(self, policy, version: int, *, changed: bool = True) -> dict:
+        """Every rank, after an optimizer step: the new weights to the servers (version = steps done); rank 0 sends
+        them once no batch is being sampled."""
+        if self.pipeline is None:
+            return self.send(policy, version)
+        return self.pipeline.update(lambda: self.send(policy, version, weights=changed), version)
+
+    def evaluate(self) -> HeldOut:
+        """Rank 0 samples the held-out answers; every rank gets the result."""
+        result = held_out(self.sampler, self.tok, self.task, self.eval_set, seed=self.config.seed + 7) \
+            if self.d.is_main else None  # fmt: skip
+        return all_gather_objects(result, self.d)[0]
 
     def close(self) -> None:
-        """Stop the weight stream and the started servers; remove the servers' model copy (scratch: a resumed run
-        writes it again), also when the run failed."""
+        """Stop the sampling thread, the weight stream and the started servers; remove the servers' model copy
+        (scratch: a resumed run writes it again), also when the run failed."""
+        if self.pipeline is not None:
+            self.pipeline.close()
         if self.sync_engine is not None:
             self.sync_engine.close()
         for server in self.started:

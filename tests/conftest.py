@@ -82,8 +82,8 @@ TRITON_INTERPRETER_PATCHED_ONCE = (
 # The other vLLM tests are spread over both workers (at most two engines or servers at once, a few GiB each): as one
 # group they were the suite's critical path (~980 s of CPU on one worker, each `vllm serve` start ~35-50 s of CPU).
 XDIST_GROUPS = {
-    "processes": ("test_bench_run", "test_long_chains_bench", "test_sequence_parallel", "test_train_distributed",
-                  "test_train_sequence_parallel"),
+    "processes": ("test_bench_run", "test_long_chains_bench", "test_long_chains_failures", "test_sequence_parallel",
+                  "test_train_distributed", "test_train_sequence_parallel"),
     "decoupled_served": ("test_decoupled_served",),
     "learning_check": ("test_learning_check",),
     "smollm2": ("test_smollm2",),

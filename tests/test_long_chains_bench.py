@@ -15,22 +15,33 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "long_chains" / "s
 
 
 def _run(tmp_path, *extra):
+    """(rows, stdout, stderr) of a quick sweep; a failed measurement's account (diagnose.report) is in stderr."""
     out = tmp_path / "rows.csv"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--csv", str(out), *extra], capture_output=True,
                           text=True, timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     with out.open() as f:
-        return list(csv.DictReader(f)), proc.stdout
+        return list(csv.DictReader(f)), proc.stdout, proc.stderr
+
+
+def _accounts(stderr: str) -> str:
+    """The failed measurements' accounts in a sweep's stderr (diagnose.report: what CI shows of a failed row)."""
+    from benchmarks.long_chains.diagnose import HEADING
+
+    at = stderr.find(HEADING)
+    return stderr[at : at + 12000] if at >= 0 else f"no account in the sweep's stderr, which ends: {stderr[-2000:]}"
 
 
 @pytest.mark.slow
 def test_quick_long_chains_measures_every_provider_and_writes_the_report(tmp_path):
     # three of the six providers (the others are the same code with a flag flipped), to keep the suite short
-    rows, stdout = _run(tmp_path, "--providers", "trl_ckpt,gk_blocks,gk_sp")
+    rows, stdout, stderr = _run(tmp_path, "--providers", "trl_ckpt,gk_blocks,gk_sp")
     assert [(r["sweep"], r["provider"]) for r in rows] == [(s, p) for s in ("spread", "length")
                                                            for p in ("trl_ckpt", "gk_blocks", "gk_sp")]  # fmt: skip
     by = {r["provider"]: r for r in rows if r["sweep"] == "spread"}
-    assert all(r["status"] == "ok" for r in rows), [(r["provider"], r["status"]) for r in rows]
+    failed = [(r["provider"], r["sweep"], r["status"]) for r in rows if r["status"] != "ok"]
+    if failed:  # the statuses, then the accounts in full (each rank's phases and stderr, who sent a signal)
+        pytest.fail(f"{failed}\n{_accounts(stderr)}")
     for r in rows:
         assert float(r["peak_rss_mb"]) >= float(r["base_rss_mb"]) > 100 and float(r["step_s"]) > 0
     # TRL pads every completion to the longest (16..128 tokens drawn): a real share of its tokens is padding; the
@@ -46,14 +57,15 @@ def test_quick_long_chains_measures_every_provider_and_writes_the_report(tmp_pat
     assert (tmp_path / "rows.png").stat().st_size > 1000
     assert "| spread | 4 | 16-128 | gk_sp | ok |" in stdout
     # resumable: a rerun measures nothing new
-    again, _ = _run(tmp_path, "--providers", "trl_ckpt,gk_blocks,gk_sp")
+    again, _, _ = _run(tmp_path, "--providers", "trl_ckpt,gk_blocks,gk_sp")
     assert len(again) == len(rows)
 
 
 @pytest.mark.slow
 def test_a_provider_over_the_memory_cap_is_recorded_not_fatal(tmp_path):
-    rows, _ = _run(tmp_path, "--cap-gb", "0.2", "--providers", "gk_blocks")
-    assert [r["status"] for r in rows] == ["over_cap", "over_cap"]  # both quick points
+    rows, _, stderr = _run(tmp_path, "--cap-gb", "0.2", "--providers", "gk_blocks")
+    if [r["status"] for r in rows] != ["over_cap", "over_cap"]:  # both quick points
+        pytest.fail(f"{[r['status'] for r in rows]}\n{_accounts(stderr)}")
 
 
 @pytest.mark.parametrize("how", ["raise", "kill"])
@@ -207,10 +219,11 @@ def test_longest_search_doubles_then_bisects_to_five_percent():
 def test_the_longest_sweep_trains_one_completion_per_micro_batch(tmp_path):
     # gk_auto: the trainer's "auto" choice (the tiny model's 16 tokens fit without checkpoints under the 12 GB cap)
     # (trl_rowfold: trl_ckpt, which the first test runs, with its head's CPU fold by row slices)
-    rows, stdout = _run(tmp_path, "--providers", "trl_rowfold,gk_auto", "--sweeps", "longest")
+    rows, stdout, stderr = _run(tmp_path, "--providers", "trl_rowfold,gk_auto", "--sweeps", "longest")
     # --quick: one length (16 tokens, the limit): TRL's compute_loss and backward per row, ours a budget of one
-    assert [(r["provider"], r["max_len"], r["status"]) for r in rows] == [("trl_rowfold", "16", "ok"),
-                                                                          ("gk_auto", "16", "ok")]  # fmt: skip
+    if [(r["provider"], r["max_len"], r["status"]) for r in rows] != [("trl_rowfold", "16", "ok"),
+                                                                      ("gk_auto", "16", "ok")]:  # fmt: skip
+        pytest.fail(f"{[(r['provider'], r['max_len'], r['status']) for r in rows]}\n{_accounts(stderr)}")
     assert "gk_auto     longest single chain: 16 tokens (the --longest-limit 16)" in stdout
     assert 'model.activation_checkpointing = "auto": "none" (estimated activation GiB for a micro-batch of' in stdout
     assert "| gk_auto | 16 |" in (tmp_path / "memory_model.md").read_text()

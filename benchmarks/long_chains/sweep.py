@@ -44,19 +44,20 @@ Providers (one micro-batch holds the whole step in all of them, so memory grows 
                             static memory per rank drops as well; per-rank peak, each rank capped at
                             min(--cap-gb, --machine-gb / N).
 Loss "dapo", beta 0, on-policy, fp32, 2 CPU threads per process (--threads; 1 per rank for gk_sp).
-The constants named above (ROWFOLD_ROWS, MLP_TILE; also AUTO_SHARE, PROMPT) live in long_chains_worker.py, which
-runs each measurement.
+The constants named above (ROWFOLD_ROWS, MLP_TILE; also AUTO_SHARE, PROMPT) live in worker.py, which runs each
+measurement.
 
 Per row: sp (ranks), peak_rss_mb (VmHWM of the process, the largest rank's for gk_sp), base_rss_mb (RSS before the
 step: model, optimizer state and inputs), step_s, tokens_per_s (real tokens / step_s), padding_fraction (pad tokens
 / tokens the model computed), mmap_threshold (the allocator setting, below), load_before (the 1-minute load average
 when it started: CPU step times are only comparable on an idle machine), status ("ok", "over_cap": the process
 passed --cap-gb and was stopped, "failed: ..."). A process watches its own RSS every 20 ms and exits when it passes
-the cap, so a provider that cannot fit is recorded, not fatal. Rows are appended to
-benchmarks/results/long_chains/long_chains_<model>.csv as they finish; a rerun skips the rows that are there
-(resumable). At the end (and with --plot-only) it writes the plot (peak memory vs tokens per step, one line per
-provider) and memory_model.md: bytes per token per provider fitted on the measured rows, extrapolated to Qwen2.5-7B
-in bf16 on 80 GB H100s. That extrapolation is a model, not a measurement.
+the cap, so a provider that cannot fit is recorded, not fatal. A failed measurement also prints its account to
+stderr (benchmarks/long_chains/diagnose.py: each rank's phases and stderr, who sent a SIGTERM, torchrun's summary).
+Rows are appended to benchmarks/results/long_chains/long_chains_<model>.csv as they finish; a rerun skips the rows
+that are there (resumable). At the end (and with --plot-only) it writes the plot (peak memory vs tokens per step,
+one line per provider) and memory_model.md: bytes per token per provider fitted on the measured rows, extrapolated
+to Qwen2.5-7B in bf16 on 80 GB H100s. That extrapolation is a model, not a measurement.
 
 Allocator. With glibc's default settings the peak RSS of a step measures the allocator as much as the step: the mmap
 threshold rises to 32 MiB after the first large free, so activation-sized blocks come from the heap, and a heap
@@ -71,13 +72,16 @@ step), the same setting for every provider.
 import argparse
 import json
 import os
-import subprocess
+import shutil
+import signal
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # importable from a plain checkout too
 
 from benchmarks.common import append_csv  # noqa: E402
+from benchmarks.long_chains import diagnose  # noqa: E402  a failed measurement's account
 from benchmarks.long_chains.report import PROVIDERS, _csv_rows, report  # noqa: E402  the table, plot, memory model
 from benchmarks.long_chains.worker import EXIT_OVER_CAP, prompt_ids, settled_load  # noqa: E402  one measurement
 
@@ -162,26 +166,47 @@ def measure(provider: str, point: dict, *, model_dir: str, cap_mb: float, scratc
     if mmap_threshold > 0:
         env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     script = [str(WORKER), json.dumps(spec)]
-    if sp > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={sp}", "--standalone", *script]
-    else:
-        cmd = [sys.executable, *script]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"status": f"failed: over the {timeout:.0f} s timeout"}
-    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode == 0 and len(results) == sp:
+    Path(scratch).mkdir(parents=True, exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix=f"{provider}-ranks-", dir=scratch)) if sp > 1 else None  # their output
+    run = diagnose.launch(script, ranks=sp, env=env, timeout=timeout, log_dir=log_dir)
+    results = [json.loads(line[len("RESULT "):]) for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    if run.returncode == 0 and len(results) == sp and not run.timed_out:
+        _remove(log_dir)
         out = dict(results[0], sp=sp)
         out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in results)
         out["base_rss_mb"] = max(r["base_rss_mb"] for r in results)
         out["status"] = "ok"
         return out
-    if f"exitcode  : {EXIT_OVER_CAP}" in proc.stderr or proc.returncode == EXIT_OVER_CAP:
+    if not run.timed_out and (f"exitcode  : {EXIT_OVER_CAP}" in run.stderr or run.returncode == EXIT_OVER_CAP):
+        _remove(log_dir)
         return {"status": "over_cap"}
-    if proc.returncode == 0:  # every process ended well, but not every rank's result line arrived
+    # what happened, for a reader of this run's output alone (a CI log): each rank's lines, who sent a signal
+    print(diagnose.report(run, f"{provider} {point}") + (f"\n--- each rank's full output: {log_dir} ---"
+                                                         if log_dir else ""), file=sys.stderr, flush=True)  # fmt: skip
+    if run.timed_out:
+        return {"status": f"failed: over the {timeout:.0f} s timeout"}
+    if run.returncode == 0:  # every process ended well, but not every rank's result line arrived
         return {"status": f"failed: {len(results)} of {sp} result lines"}
-    return {"status": f"failed: {failure_reason(proc.returncode, proc.stderr)}"}
+    return {"status": f"failed: {_failure(run)}"}
+
+
+def _remove(path: Path | None) -> None:
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _failure(run) -> str:
+    """failure_reason of a failed run, the error of torchrun's root-cause rank preferred (its output read last),
+    and, when a SIGTERM ended that rank, who sent it (diagnose.watch): torchrun's agent sends it only to the ranks
+    left when another one failed or when the agent itself was stopped."""
+    cause = diagnose.root_cause(run.stderr)
+    root = int(cause["rank"]) if cause.get("rank", "").isdigit() else None
+    ranks = sorted(run.ranks, key=lambda r: r == root)
+    reason = failure_reason(run.returncode, "".join(run.ranks[r] for r in ranks) + run.own_stderr)
+    if root is None or cause.get("exitcode") != f"-{signal.SIGTERM.value}":
+        return reason
+    sender = diagnose.sigterm_sender(run, root)
+    return reason + (f", sent by {sender[:200]}" if sender else ", its sender unknown (no line from diagnose.watch)")
 
 
 def failure_reason(returncode: int, stderr: str) -> str:
@@ -216,8 +241,6 @@ def model_and_scratch(quick: bool, model: str) -> tuple[str, str, str]:
     """(model directory, its name in the CSV, scratch directory): --quick writes the tiny model into a fresh
     temporary directory (removed at the end of the run), else the known model or HF directory, scratch under OUT."""
     if quick:
-        import tempfile
-
         from grpo_kernels.train.hf_model import write_tiny_checkpoint
 
         scratch = tempfile.mkdtemp(prefix="long-chains-")
@@ -288,8 +311,6 @@ def run(args) -> Path:
             print(f"{provider:11s} longest single chain: {n} tokens" + (f" (the --longest-limit {limit})"
                                                                          if capped else ""), flush=True)  # fmt: skip
     if quick:
-        import shutil
-
         shutil.rmtree(scratch, ignore_errors=True)
     report(csv_path)
     return csv_path

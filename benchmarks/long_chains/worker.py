@@ -1,7 +1,8 @@
 """One measurement of benchmarks/long_chains/sweep.py (its docstring says what is measured): one provider, one point,
 in this process, or one rank of torchrun for gk_sp. The driver runs it as `worker.py SPEC` (SPEC: the JSON of
 long_chains.measure) in a fresh process under the memory cap; it prints one line "RESULT <json>" per process, or
-exits with EXIT_OVER_CAP as soon as its RSS passes the cap."""
+exits with EXIT_OVER_CAP as soon as its RSS passes the cap. Its phases, and who sent it a SIGTERM, go to stderr
+(diagnose.py)."""
 
 import json
 import math
@@ -14,6 +15,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # importable from a plain checkout too
+
+from benchmarks.long_chains import diagnose  # noqa: E402  stdlib only: what a failed run prints
 
 MLP_TILE = 512  # gk_tiled's model.mlp_tile_tokens
 AUTO_SHARE = 0.9  # gk_auto's activation budget: this share of the room between the cap and the process's RSS
@@ -229,9 +232,11 @@ def _trl_step(spec: dict, model_dir: str) -> dict:
         optimizer.step()
         return loss
 
+    diagnose.phase("warm-up")
     step({k: v[:2, :8] if k.startswith("completion") else v[:2] for k, v in inputs.items() if k != "num_items_in_batch"}
          | {"num_items_in_batch": mask[:2, :8].sum()})  # warm-up: first calls, Adam's state  # fmt: skip
     base = _rss_mb()
+    diagnose.phase("step")
     loss, elapsed = _timed(lambda: step(inputs), spec)
     real = b * prompt.numel() + sum(c.numel() for c in completions)
     computed = b * (prompt.numel() + longest)  # the padded batch
@@ -253,6 +258,7 @@ def _gk_step(spec: dict, model_dir: str) -> dict:
     provider, point = spec["provider"], spec["point"]
     sp = spec["sp"]
     d = init_distributed("gloo", sequence_parallel=sp) if sp > 1 else None
+    diagnose.phase("loading the model")
     model, _ = load_policy(model_dir, dtype="float32")
     _label_blocks(model.base_model.layers, spec)
     if provider not in ("gk_none", "gk_auto"):  # the trainer's activation.apply (tokens etc. matter for "auto" only)
@@ -282,8 +288,10 @@ def _gk_step(spec: dict, model_dir: str) -> dict:
 
     warm = Rollout(prompt_ids=[prompt] * 2, completion_ids=[c[:8] for c in completions[:2]],
                    sampler_logps=[torch.zeros(8)] * 2, group_size=2).with_rewards([0.0, 1.0])  # fmt: skip
+    diagnose.phase("warm-up")
     step(warm, prompt.numel() + 16)  # warm-up: first calls, Adam's state
     base = _rss_mb()
+    diagnose.phase("step")
     chose = ""
     if provider == "gk_auto":  # the trainer's "auto", its budget the cap's room above this process
         longest = max(c.numel() for c in completions)
@@ -302,15 +310,18 @@ def worker(spec: dict) -> None:
 
     torch.set_num_threads(spec["threads"])
     _watch(spec["cap_mb"])
+    diagnose.phase("setup")
     model_dir = spec["model_dir"]
     result = (_trl_step if spec["provider"].startswith(("trl", "fused")) else _gk_step)(spec, model_dir)
     result["peak_rss_mb"] = _rss_mb("VmHWM")
     result["ru_maxrss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    diagnose.phase("done")
     sys.stdout.flush()
-    # one write(2) of a line under PIPE_BUF: the ranks of gk_sp share the pipe, and print's separate writes of the
-    # text and its newline can interleave with another rank's
+    # one write(2) of a line under PIPE_BUF: where ranks share a pipe (torchrun without --redirects), print's
+    # separate writes of the text and its newline can interleave with another rank's
     os.write(1, ("RESULT " + json.dumps(result) + "\n").encode())
 
 
 if __name__ == "__main__":
+    diagnose.watch(int(os.environ.get("RANK", "0")))  # first: before torch starts threads
     worker(json.loads(sys.argv[1]))

@@ -146,13 +146,13 @@ def run_one(label: str, overrides: dict, run_dir: Path, *, sft_cache: dict) -> d
     """Train the demo with overrides; per-step metrics, per-step (G, success counts per group) and the summary."""
     import json
 
-    from grpo_kernels.train import trainer
+    from grpo_kernels.train import colocated, trainer
     from grpo_kernels.train.config_io import load_config
 
     config = load_config(REPO / "examples" / "train_tiny_cpu.toml",
                          {**overrides, "logging.run_dir": str(run_dir), "logging.log_every": 10**6})  # fmt: skip
     groups: list = []
-    with mock.patch.object(trainer, "collect", _recording_collect(trainer.collect, groups)), \
+    with mock.patch.object(colocated, "collect", _recording_collect(colocated.collect, groups)), \
             mock.patch.object(trainer, "sft_warmup", _cached_sft(trainer.sft_warmup, sft_cache)):  # fmt: skip
         summary = trainer.train(config, log=lambda *a, **k: None)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]

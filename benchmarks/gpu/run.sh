@@ -37,7 +37,7 @@
 # last pack); a stage runs only if at least its NEED_S is left. DRY_RUN=1 runs each stage's own CPU dry run.
 #
 # How the times were estimated (nothing here has run on an H100 since the kernels were rewritten): build from this
-# project's build (5 translation units, 81 s one after another on one core: on 16 cores the longest, 32 s);
+# project's build (5 translation units, 81 s in a row on one core, beside other work: on 16 cores the longest, 32 s);
 # tests from the H200 visit of 2026-12-04 (265 kernel tests in 43 s on 8 workers, most of it Triton's compiles) plus
 # the tests added since; limits from its work (two torch.compile builds ~30 s each, 3 x 2 do_bench medians, 40
 # determinism calls, a profile); learns from the CPU check (six seeds, 52 s of CPU for a tiny decoder whose steps are

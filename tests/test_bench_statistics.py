@@ -58,6 +58,9 @@ def test_seeds_needed_is_the_textbook_two_sample_size_and_smallest_gap_its_inver
     assert seeds_needed(0.094, 0.077, 0.03) == 129
     assert seeds_needed(1.0, 1.0, 1.0, power=0.9) == 22  # 2 (1.96 + 1.2816)^2 = 21.01
     assert smallest_gap(0.094, 0.077, 47, 47) == pytest.approx(0.05, rel=0.01)
+    for bad in (dict(gap=0.0), dict(gap=-0.05), dict(power=1.0)):
+        with pytest.raises(ValueError, match="seeds_needed needs gap > 0"):
+            seeds_needed(0.094, 0.077, **{"gap": 0.05, **bad})
 
 
 @pytest.mark.parametrize("dof, quantile", [(1, 12.7062), (4, 2.7764), (30, 2.0423), (31, 2.0395), (40, 2.0211),

@@ -50,6 +50,9 @@ def permutation_p(a: list, b: list, rounds: int = 20_000, seed: int = 0) -> floa
 def seeds_needed(sd_a: float, sd_b: float, gap: float, power: float = 0.8, alpha: float = 0.05) -> int:
     """Seeds per arm for a two-sided test at alpha to find a true difference `gap` between two means with probability
     `power` (normal approximation, equal arms): n = (z_(1 - alpha / 2) + z_power)^2 (sd_a^2 + sd_b^2) / gap^2."""
+    if not (gap > 0 and sd_a >= 0 and sd_b >= 0 and 0 < power < 1 and 0 < alpha < 1):
+        raise ValueError(f"seeds_needed needs gap > 0, sds >= 0 and power, alpha in (0, 1); got gap {gap}, sds "
+                         f"{sd_a} and {sd_b}, power {power}, alpha {alpha}")  # fmt: skip
     z = NormalDist().inv_cdf(1 - alpha / 2) + NormalDist().inv_cdf(power)
     return math.ceil(z**2 * (sd_a**2 + sd_b**2) / gap**2)
 

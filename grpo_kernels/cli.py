@@ -167,13 +167,13 @@ def serve_rollout(args: argparse.Namespace) -> None:
         check_port_free(args.host, args.port)
     model_dir, max_model_len = args.model, None
     if args.config:
-        from .train.build import build
+        from .train.build import load
         from .train.config import for_device
         from .train.config_io import load_config
         from .train.vllm_sampler import save_hf_model
 
         config = for_device(load_config(args.config), "cuda" if torch.cuda.is_available() else "cpu")
-        model = build(config)[-1]
+        model = load(config).model
         max_model_len = model.generation_config.max_length  # the run's longest prompt + completion (build)
         model_dir = str(save_hf_model(model, args.model_dir))
         args.dtype = "bfloat16" if config.model.dtype == "bfloat16" else "float32"

@@ -49,8 +49,8 @@ from unittest import mock
 
 import torch
 
-from grpo_kernels.train import rollout, step, trainer
-from grpo_kernels.train.build import build
+from grpo_kernels.train import build, rollout, step
+from grpo_kernels.train.build import load
 from grpo_kernels.train.config_io import load_config
 from grpo_kernels.train.trainer import train
 
@@ -102,7 +102,7 @@ def fixed_warm_start():
     gain's spread over seeds (sd 0.11, against 0.03 from one warm start): from one warm start a few seeds measure the
     RL itself. It is the same in every variant: its batches are seeded alone, it runs beside the run's random
     streams (forked) and no variant touches it (the variants' lr is optim.lr; the warm start has its own)."""
-    computed = trainer.sft_warmup
+    computed = build.sft_warmup
 
     def warm_start(model, tokenizer, task, *, steps, seed, **kwargs):
         if steps != SFT_STEPS or kwargs:  # not the check's warm start: no reuse
@@ -110,14 +110,14 @@ def fixed_warm_start():
         if not _WARM_START:
             with torch.random.fork_rng(devices=[]), tempfile.TemporaryDirectory() as tmp:
                 config = load_config(None, overrides(WARM_START_SEED, Path(tmp)))
-                tok, own_task, _, _, own_model = build(config)  # the initial weights of a WARM_START_SEED run
-                _WARM_START["losses"] = computed(own_model, tok, own_task, steps=steps, seed=WARM_START_SEED)
-                _WARM_START["weights"] = own_model.state_dict()
+                own = load(config)  # the initial weights of a WARM_START_SEED run
+                _WARM_START["losses"] = computed(own.model, own.tok, own.task, steps=steps, seed=WARM_START_SEED)
+                _WARM_START["weights"] = own.model.state_dict()
         model.load_state_dict(_WARM_START["weights"])
         model.train()  # as sft_warmup leaves it
         return list(_WARM_START["losses"])
 
-    with mock.patch.object(trainer, "sft_warmup", warm_start):
+    with mock.patch.object(build, "sft_warmup", warm_start):
         yield
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_kernels.train.build import task_examples
+from grpo_kernels.train.build import task_examples, task_rewards
 from grpo_kernels.train.config_io import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,13 +23,14 @@ def test_the_example_dataset_config_and_rewards_fit_together(tmp_path):
                          [f"task.dataset={data}", "task.num_eval_prompts=10"])  # fmt: skip
     assert config.task.reward_funcs[0] == f"{ROOT}/examples/rewards/math_rewards.py:correct"
     task, train, held = task_examples(config)
-    assert len(train) == 40 and len(held) == 10 and task.rewards.names == ["correct", "bare_number", "length_penalty"]
+    rewards = task_rewards(task, config.task)
+    assert len(train) == 40 and len(held) == 10 and rewards.names == ["correct", "bare_number", "length_penalty"]
     e = train[0]
     answer = e.columns["solution"]
     completions = [answer, f"The sum is {answer}.", "I think 100", answer]
     ids = [[1] * 3, [1] * 8, [1] * 4, [1] * 20]  # the last one past MAX_TOKENS - BUFFER (16): penalized
-    values = task.rewards.score([e] * 4, completions, ids, step=0)
+    values = rewards.score([e] * 4, completions, ids, step=0)
     assert values.tolist() == [[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, -0.5]]
-    assert task.rewards.combine(values).tolist() == [1.2, 1.0, 0.0, 0.95]
-    assert task.rewards.take_logged()["length_penalty/penalized"] == 0.25
-    assert task.correct(answer, e) == 1.0  # held-out success: task.success_reward = "correct"
+    assert rewards.combine(values).tolist() == [1.2, 1.0, 0.0, 0.95]
+    assert rewards.take_logged()["length_penalty/penalized"] == 0.25
+    assert rewards.correct(answer, e) == 1.0  # held-out success: task.success_reward = "correct"

@@ -205,17 +205,13 @@ def test_trl_in_micro_batches_makes_the_whole_steps_update(tmp_path, monkeypatch
     from benchmarks.learning import trl_worker as learning_trl_worker
     from grpo_kernels.train.rewards import RewardFunction, Rewards
 
-    task_examples = build_module.task_examples
-
     def length_mod_3(completions, **kwargs):
         return [(len(c) % 3) / 2 for c in completions]
 
-    def graded(config):
-        task, train_set, eval_set = task_examples(config)
-        task.rewards = Rewards([RewardFunction("length_mod_3", length_mod_3, "test")])
-        return task, train_set, eval_set
+    def graded(task, settings=None):
+        return Rewards([RewardFunction("length_mod_3", length_mod_3, "test")])
 
-    monkeypatch.setattr(build_module, "task_examples", graded)
+    monkeypatch.setattr(build_module, "task_rewards", graded)
 
     args = types.SimpleNamespace(**{**learning_vs_trl.QUICK, "steps": 1, "format_weight": None})
     args.model = str(learning_vs_trl.quick_model(tmp_path))

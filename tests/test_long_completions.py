@@ -86,7 +86,7 @@ def test_kv_cache_arithmetic_of_smollm2():
 
 
 def test_the_samplers_get_the_longest_prompt_plus_max_new_tokens_as_max_model_len(monkeypatch):
-    from grpo_kernels.train import build, vllm_sampler
+    from grpo_kernels.train import build, colocated, vllm_sampler
 
     seen = {}
 
@@ -98,9 +98,10 @@ def test_the_samplers_get_the_longest_prompt_plus_max_new_tokens_as_max_model_le
     for extra, given in (([], None), (["sampling.max_model_len=500"], 500)):
         config = load_config(None, ["sampling.sampler=vllm", "sampling.max_new_tokens=300",
                                     "packing.token_budget=1024", "task.num_train_prompts=16", *extra])  # fmt: skip
-        tok, _, train_set, eval_set, model = build.build(config)
+        inputs = build.load(config)
+        tok, train_set, eval_set, model = inputs.tok, inputs.train_set, inputs.eval_set, inputs.model
         longest = max(len(tok.encode_prompt(e.prompt)) for e in train_set + eval_set)
-        build.make_sampler(config, model, tok, SINGLE)
+        colocated.make_sampler(config, model, tok, SINGLE)
         assert seen["max_model_len"] == (given or longest + 300) and seen["max_new_tokens"] == 300
 
 

@@ -291,14 +291,15 @@ def test_relative_reward_files_resolve_against_the_config_folder_or_the_working_
 
 
 def test_the_built_in_tasks_score_through_the_same_functions():
+    from grpo_kernels.train.build import task_rewards
     from grpo_kernels.train.tasks import make_task
 
-    arith = make_task("arith", format_weight=0.5)
-    assert arith.rewards.names == ["arith_correct", "arith_format"] and arith.rewards.weights == [1.0, 0.5]
+    arith = task_rewards(make_task("arith", format_weight=0.5))
+    assert arith.names == ["arith_correct", "arith_format"] and arith.weights == [1.0, 0.5]
     e = Example(prompt="What is 2 + 2?", answer="4")
-    per_func = arith.rewards.score([e, e, e], ["4", "It is 4.", "5"], [[], [], []], step=0)
+    per_func = arith.score([e, e, e], ["4", "It is 4.", "5"], [[], [], []], step=0)
     assert per_func.tolist() == [[1.0, 1.0], [1.0, 0.0], [0.0, 1.0]]
-    assert arith.rewards.combine(per_func).tolist() == [arith.reward(c, e) for c in ("4", "It is 4.", "5")]
+    assert arith.combine(per_func).tolist() == [arith.reward(c, e) for c in ("4", "It is 4.", "5")]
     assert [arith.correct(c, e) for c in ("4", "It is 4.", "5")] == [1.0, 1.0, 0.0]
 
 
@@ -327,11 +328,11 @@ def test_the_built_in_tasks_import_neither_datasets_nor_math_verify():
     import subprocess
     import sys
 
-    code = ("import sys\nfrom grpo_kernels.train.build import task_examples\n"
+    code = ("import sys\nfrom grpo_kernels.train.build import task_examples, task_rewards\n"
             "from grpo_kernels.train.config_io import load_config\n"
             "for name in ('reverse', 'add', 'arith'):\n"
             "    task, train, _ = task_examples(load_config(None, [f'task.name={name}']))\n"
-            "    task.rewards.score(train[:2], ['1', '2'], [[1], [2]], step=0)\n"
+            "    task_rewards(task).score(train[:2], ['1', '2'], [[1], [2]], step=0)\n"
             "print(sorted(m for m in ('datasets', 'math_verify') if m in sys.modules))\n")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]

@@ -15,7 +15,7 @@ datasets = pytest.importorskip("datasets")
 from helpers import assert_close  # noqa: E402
 from test_trl_dropin import scripted_generate, tiny_config, tokenizer  # noqa: E402
 
-from grpo_kernels.train.build import task_examples  # noqa: E402
+from grpo_kernels.train.build import task_examples, task_rewards  # noqa: E402
 from grpo_kernels.train.config_io import load_config  # noqa: E402
 from grpo_kernels.train.rollout import Rollout  # noqa: E402
 
@@ -78,10 +78,11 @@ def test_the_same_reward_file_and_dataset_score_as_in_trl(tmp_path):
     config = load_config(None, ["task.name=dataset", f"task.dataset={data}", "task.num_eval_prompts=0",
                                 f"task.reward_funcs={specs}", "task.reward_weights=1,0.5,2,0.25"])  # fmt: skip
     task, train, _ = task_examples(config)
+    rewards = task_rewards(task, config.task)
     by_prompt = {e.prompt: e for e in train}
     examples = [by_prompt[r["prompt"]] for r in ROWS for _ in range(4)]
-    ours = task.rewards.score(examples, trl_call["completions"], trl_call["ids"], step=0)
-    our_call = task.rewards.functions[0].func.__globals__["calls"]["token_share"][-1]
+    ours = rewards.score(examples, trl_call["completions"], trl_call["ids"], step=0)
+    our_call = rewards.functions[0].func.__globals__["calls"]["token_share"][-1]
     assert our_call == trl_call  # the same keywords and columns, the dataset's values
     assert ours[:, 1].isnan().tolist() == theirs[:, 1].isnan().tolist() and ours[:, 1].isnan().any()
     assert_close(ours.nan_to_num(-7).float(), theirs.nan_to_num(-7), name="per-function rewards", rtol=1e-6,
@@ -91,11 +92,11 @@ def test_the_same_reward_file_and_dataset_score_as_in_trl(tmp_path):
     n = len(examples)
     rollout = Rollout(prompt_ids=[torch.tensor([1])] * n, completion_ids=[torch.tensor(c) for c in trl_call["ids"]],
                       sampler_logps=[torch.zeros(len(c)) for c in trl_call["ids"]], group_size=4)  # fmt: skip
-    scored = rollout.with_rewards(task.rewards.combine(ours), per_func=ours)
+    scored = rollout.with_rewards(rewards.combine(ours), per_func=ours)
     std = scored.advantages.group_std.repeat_interleave(4)
     adjusted = scored.advantages.advantages * (std + 1e-6) / (std + 1e-4)
     assert_close(adjusted, out["advantages"].float(), name="advantages", rtol=1e-5, atol=1e-6)
-    metrics = task.rewards.metrics(scored.rewards_per_func)
+    metrics = rewards.metrics(scored.rewards_per_func)
     for k, name in enumerate(NAMES):
         values = theirs[:, k][~theirs[:, k].isnan()]
         assert metrics[f"rewards/{name}/mean"] == pytest.approx(values.mean().item(), rel=1e-6)

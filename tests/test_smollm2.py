@@ -18,7 +18,7 @@ import torch
 from grpo_kernels import cli
 from grpo_kernels.packing import pack_sequences
 from grpo_kernels.train import models
-from grpo_kernels.train.build import build
+from grpo_kernels.train.build import load
 from grpo_kernels.train.config_io import load_config
 from grpo_kernels.train.hf_model import load_policy
 from grpo_kernels.train.step import completion_logprobs
@@ -224,14 +224,16 @@ def test_chat_template_prompts_equal_the_tokenizers_own_apply_chat_template(mode
     for overrides, system in [([], None), (["--task.system_prompt=You are a calculator."], "You are a calculator.")]:
         config = load_config(None, [f"--model.name={model_dir}", "--task.name=arith", "--task.num_train_prompts=4",
                                     "--task.num_eval_prompts=2", *overrides])  # fmt: skip
-        tok, task, train_set, eval_set, _ = build(config)
+        inputs = load(config)
+        tok, train_set, eval_set = inputs.tok, inputs.train_set, inputs.eval_set
         assert tok.chat_template and tok.stop_ids[0] == own.eos_token_id == own.convert_tokens_to_ids("<|im_end|>")
         for example in train_set + eval_set:
             head = [{"role": "system", "content": system}] if system else []
             assert tok.encode_prompt(example.prompt) == expected(head + [{"role": "user", "content": example.prompt}])
     config = load_config(None, [f"--model.name={model_dir}", "--task.name=jsonl", f"--task.path={data}",
                                 "--task.num_eval_prompts=0"])  # fmt: skip
-    tok, task, train_set, _, _ = build(config)
+    inputs = load(config)
+    tok, task = inputs.tok, inputs.task
     assert tok.encode_prompt(task.data[0].prompt) == expected(conversation)
     assert tok.encode_prompt(task.data[1].prompt) == expected([{"role": "user", "content": "What is 1 + 1?"}])
     answer = own.encode(" 7", add_special_tokens=False)
@@ -239,7 +241,7 @@ def test_chat_template_prompts_equal_the_tokenizers_own_apply_chat_template(mode
     off = load_config(None, [f"--model.name={model_dir}", "--task.name=jsonl", f"--task.path={data}",
                              "--task.chat_template=off", "--task.num_eval_prompts=0"])  # fmt: skip
     with pytest.raises(ValueError, match="a conversational prompt .* needs the chat template"):
-        build(off)
+        load(off)
 
 
 @pytest.mark.parametrize("shared_prefix", [False, True])

@@ -243,7 +243,7 @@ def test_an_error_in_the_final_evaluation_closes_the_vllm_engine_and_the_process
 
     import torch.distributed as dist
 
-    from grpo_kernels.train import build, colocated, rollout_server, run_files
+    from grpo_kernels.train import colocated, rollout_server, run_files
 
     closed, opened, evaluations = [], [], []
 
@@ -260,9 +260,11 @@ def test_an_error_in_the_final_evaluation_closes_the_vllm_engine_and_the_process
         def close(self):
             closed.append(("sampler", dist.is_initialized()))
 
+    real_make_sampler = colocated.make_sampler
+
     def make_sampler(config, model, tok, d):
         hf = dataclasses.replace(config, sampling=dataclasses.replace(config.sampling, sampler="hf"))
-        return RecordingSampler(build.make_sampler(hf, model, tok, d))
+        return RecordingSampler(real_make_sampler(hf, model, tok, d))
 
     held_out = colocated.held_out
 

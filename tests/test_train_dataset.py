@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from grpo_kernels.train.build import task_examples
+from grpo_kernels.train.build import task_examples, task_rewards
 from grpo_kernels.train.config_io import load_config
 from grpo_kernels.train.data import examples_from_rows, load_rows
 
@@ -61,7 +61,7 @@ def test_a_folder_of_splits_and_conversational_prompts(tmp_path):
     task, train, held = task_examples(config)
     assert len(train) == 8 and sorted(e.answer for e in held) == ["16", "18"]
     assert train[0].prompt[0]["role"] == "user" and isinstance(train[0].prompt, tuple)
-    assert task.rewards.names == ["exact"]
+    assert task_rewards(task, config.task).names == ["exact"]
 
 
 def test_the_columns_reach_the_reward_functions_under_their_names(tmp_path):
@@ -69,8 +69,9 @@ def test_the_columns_reach_the_reward_functions_under_their_names(tmp_path):
     (tmp_path / "r.py").write_text("seen = []\n\ndef level_reward(completions, solution, level, **kw):\n"
                                    "    seen.append((list(solution), list(level)))\n"
                                    "    return [float(c == s) + l for c, s, l in zip(completions, solution, level)]\n")
-    task, train, _ = task_examples(_config(path, f"task.reward_funcs={tmp_path}/r.py:level_reward"))
-    values = task.rewards.score(train[:2], [train[0].answer, "x"], [[1], [2]], step=0)
+    config = _config(path, f"task.reward_funcs={tmp_path}/r.py:level_reward")
+    task, train, _ = task_examples(config)
+    values = task_rewards(task, config.task).score(train[:2], [train[0].answer, "x"], [[1], [2]], step=0)
     assert values[:, 0].tolist() == [1.0 + train[0].columns["level"], float(train[1].columns["level"])]
 
 

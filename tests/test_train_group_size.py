@@ -85,13 +85,12 @@ def test_dynamic_sampling_drops_exactly_the_groups_the_advantage_kernel_marks_in
             out.append(group_rewards[names[k]][j])
         return out
 
-    class Task:
-        rewards = Rewards([RewardFunction("table", table, "test")])
+    rewards = Rewards([RewardFunction("table", table, "test")])
 
     examples = [Example(prompt=name, answer="") for name in names]
     config = load_config(None, ["--sampling.prompts_per_step=4", "--group_size.dynamic_sampling=true",
                                 "--group_size.max_resample_rounds=0"])  # fmt: skip
-    rollout, sampled, rounds, tokens = collect(config, Sampler(), Tok(), Task(), lambda n: examples[:n], 0, 2,
+    rollout, sampled, rounds, tokens = collect(config, Sampler(), Tok(), rewards, lambda n: examples[:n], 0, 2,
                                                 SINGLE)  # fmt: skip
     valid = group_advantages(torch.tensor([r for n in names for r in group_rewards[n]]), group_size=2).valid
     assert valid.tolist() == [False, True, False, False]  # the kernel's verdict on these four groups

@@ -115,11 +115,14 @@ class _Sampler:
                        sampler_logps=[torch.zeros(2) for _ in prompts for _ in range(g)], group_size=g)  # fmt: skip
 
 
-class _Task:
+class _Table:
+    """The reward functions (`rewards()`): completion j of group k earns table[k][j]."""
+
     table = {0: REWARDS[0], 1: REWARDS[1], 2: REWARDS[2], 3: [0.0, 0.0, 1.0], 4: [1.0, 1.0, 1.0]}
 
-    def __init__(self):
-        self.rewards = Rewards([RewardFunction("table", self.score, "test")])
+    @classmethod
+    def rewards(cls):
+        return Rewards([RewardFunction("table", cls().score, "test")])
 
     def score(self, prompts, completions, **kwargs):
         out = []
@@ -134,19 +137,19 @@ def test_dynamic_sampling_keeps_groups_0_and_2_then_fills_the_batch_from_the_nex
     examples = iter([Example(prompt=str(k), answer="") for k in range(5)])
     config = load_config(None, ["--sampling.prompts_per_step=3", "--group_size.dynamic_sampling=true",
                                 "--group_size.max_resample_rounds=2"])  # fmt: skip
-    out, sampled, rounds, tokens = sampling.collect(config, _Sampler(), _Tok(), _Task(),
+    out, sampled, rounds, tokens = sampling.collect(config, _Sampler(), _Tok(), _Table.rewards(),
                                             lambda n: [next(examples) for _ in range(n)], 0, G, SINGLE)  # fmt: skip
     assert sampled == 4 and rounds == 1  # round 0: 3 prompts, 2 kept; round 1: 1 prompt, kept
     assert tokens == 4 * G * 2  # the tokens of every sampled completion (2 each), the dropped group's too
     assert [int(p[0]) for p in out.prompt_ids[::G]] == [0, 2, 3] and out.group_ids == [0] * G + [1] * G + [2] * G
-    assert out.rewards.tolist() == [REWARDS[0], REWARDS[2], _Task.table[3]]
+    assert out.rewards.tolist() == [REWARDS[0], REWARDS[2], _Table.table[3]]
     fresh = group_advantages(out.rewards.float().flatten(), group_size=G)
     assert_same_advantages(out.advantages, fresh)
 
 
 def test_two_ranks_gather_the_same_rollout_as_one(monkeypatch):
     examples = [Example(prompt=str(k), answer="") for k in range(5)]
-    one = sampling.sample_scored(_Sampler(), _Tok(), _Task(), examples, G, list(range(5)), SINGLE)
+    one = sampling.sample_scored(_Sampler(), _Tok(), _Table.rewards(), examples, G, list(range(5)), SINGLE)
     sent = {}
 
     class Sent(Exception):
@@ -160,10 +163,10 @@ def test_two_ranks_gather_the_same_rollout_as_one(monkeypatch):
     monkeypatch.setattr(sampling, "all_gather_objects", send)
     for d in ranks:
         with pytest.raises(Sent):
-            sampling.sample_scored(_Sampler(), _Tok(), _Task(), examples, G, list(range(5)), d)
+            sampling.sample_scored(_Sampler(), _Tok(), _Table.rewards(), examples, G, list(range(5)), d)
     assert sent[0][0] == [0, 2, 4] and sent[1][0] == [1, 3] and sent[1][1].group_ids == [0] * G + [1] * G
     monkeypatch.setattr(sampling, "all_gather_objects", lambda obj, d: [sent[0], sent[1]])
     for d in ranks:
-        two = sampling.sample_scored(_Sampler(), _Tok(), _Task(), examples, G, list(range(5)), d)
+        two = sampling.sample_scored(_Sampler(), _Tok(), _Table.rewards(), examples, G, list(range(5)), d)
         assert members(two) == members(one) and torch.equal(two.rewards, one.rewards)
         assert_same_advantages(two.advantages, one.advantages)

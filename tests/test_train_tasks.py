@@ -6,6 +6,7 @@ import re
 import pytest
 import torch
 
+from grpo_kernels.train.build import task_rewards
 from grpo_kernels.train.tasks import CharTokenizer, exact_match, load_jsonl, make_task, numeric_match, tiny_model
 
 
@@ -24,14 +25,15 @@ def test_tokenizer_round_trip_and_specials():
 @pytest.mark.parametrize("name", ["reverse", "add"])
 def test_tasks_are_deterministic_and_rewards_are_binary(name):
     task = make_task(name, difficulty=3)
+    rewards = task_rewards(task)
     a, b = task.examples(20, seed=7), task.examples(20, seed=7)
     assert a == b and a != task.examples(20, seed=8)
     tok = CharTokenizer()
     for ex in a:
         tok.encode(ex.prompt + ex.answer)  # in the alphabet
-        assert task.reward(ex.answer, ex) == 1.0
-        assert task.reward(ex.answer + "1", ex) == 0.0
-        assert task.reward("", ex) == 0.0
+        assert rewards.reward(ex.answer, ex) == 1.0
+        assert rewards.reward(ex.answer + "1", ex) == 0.0
+        assert rewards.reward("", ex) == 0.0
 
 
 def test_difficulty_controls_answer_length():
@@ -57,7 +59,7 @@ def test_jsonl_loader_and_its_errors(tmp_path):
     examples = load_jsonl(good)
     assert [e.answer for e in examples] == ["2", "a"]
     task = make_task("jsonl", path=good, reward="numeric")
-    assert task.reward("2.0", examples[0]) == 1.0
+    assert task_rewards(task).reward("2.0", examples[0]) == 1.0
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "x"}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:1: missing key\(s\) \['answer'\]"):
@@ -163,16 +165,17 @@ def test_arith_task_rewards_correctness_plus_a_format_bonus_when_asked():
         a, op, b = expr.split(" ")
         assert op == "+" and 0 <= int(a) <= 9 and 0 <= int(b) <= 9 and int(a) + int(b) == int(e.answer)
     e = examples[0]
-    bonus = task.FORMAT_WEIGHT
-    assert task.reward(e.answer, e) == 1.0 + bonus and task.reward(f" {e.answer}.\n", e) == 1.0 + bonus
-    assert task.reward(f"The answer is {e.answer}.", e) == 1.0 and task.correct(f"= {e.answer}", e) == 1.0
-    assert task.reward(f"{e.answer} or {int(e.answer) + 1}", e) == 0.0  # the last number counts
-    assert task.reward(str(int(e.answer) + 1), e) == bonus and task.correct(str(int(e.answer) + 1), e) == 0.0
-    assert task.reward("", e) == 0.0 and task.reward("I do not know", e) == 0.0
+    bonus, r = task.FORMAT_WEIGHT, task_rewards(task)
+    assert r.reward(e.answer, e) == 1.0 + bonus and r.reward(f" {e.answer}.\n", e) == 1.0 + bonus
+    assert r.reward(f"The answer is {e.answer}.", e) == 1.0 and r.correct(f"= {e.answer}", e) == 1.0
+    assert r.reward(f"{e.answer} or {int(e.answer) + 1}", e) == 0.0  # the last number counts
+    assert r.reward(str(int(e.answer) + 1), e) == bonus and r.correct(str(int(e.answer) + 1), e) == 0.0
+    assert r.reward("", e) == 0.0 and r.reward("I do not know", e) == 0.0
     for plain in (make_task("arith", difficulty=1), make_task("arith", format_weight=0.0)):  # default: no bonus
-        assert plain.reward(e.answer, e) == 1.0 and plain.reward(str(int(e.answer) + 1), e) == 0.0
-        assert plain.rewards.weights == [1.0, 0.0]
-    assert make_task("arith", format_weight=0.5).reward(e.answer, e) == 1.5
+        p = task_rewards(plain)
+        assert p.reward(e.answer, e) == 1.0 and p.reward(str(int(e.answer) + 1), e) == 0.0
+        assert p.weights == [1.0, 0.0]
+    assert task_rewards(make_task("arith", format_weight=0.5)).reward(e.answer, e) == 1.5
     for bad in (-0.1, 1.5, True, "0.2"):
         with pytest.raises(ValueError, match="format_weight must be a number in"):
             make_task("arith", format_weight=bad)

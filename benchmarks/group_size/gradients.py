@@ -132,7 +132,8 @@ def measure(model: str, *, group_sizes, prompts_per_step: int, repeats: int, poo
     todo = [g for g in group_sizes if str(g) not in saved["done"]]
     if not todo:
         return _from_saved(saved, group_sizes)
-    from grpo_kernels.train.build import build, make_sampler
+    from grpo_kernels.train.build import load
+    from grpo_kernels.train.colocated import make_sampler
     from grpo_kernels.train.config_io import load_config
     from grpo_kernels.train.fsdp import SINGLE
     from grpo_kernels.train.sampling import sample_scored, seed_for
@@ -143,7 +144,8 @@ def measure(model: str, *, group_sizes, prompts_per_step: int, repeats: int, poo
                                          "num_eval_prompts": pool, "seed": seed},
                                 "sampling": {"sampler": sampler, "temperature": temperature,
                                              "max_new_tokens": max_new_tokens, "group_size": 2}})  # fmt: skip
-    tok, task_, _, examples, model_ = build(config)
+    inputs = load(config)
+    tok, task_, examples, model_ = inputs.tok, inputs.task, inputs.eval_set, inputs.model
     if sft_steps:  # a policy that is sometimes right (the tiny model starts at 0)
         sft_warmup(model_, tok, task_, steps=sft_steps, seed=seed)
     policy = Policy(model_)
@@ -158,7 +160,7 @@ def measure(model: str, *, group_sizes, prompts_per_step: int, repeats: int, poo
                     batch = random.Random(f"{seed}-{g}-{r}-{side}").sample(examples, prompts_per_step)
                     start = time.perf_counter()
                     seeds = [seed_for(seed, 7, g, r, side == "b", k) for k in range(len(batch))]
-                    rollout = sample_scored(engine, tok, task_, batch, g, seeds, SINGLE)
+                    rollout = sample_scored(engine, tok, inputs.rewards, batch, g, seeds, SINGLE)
                     row["sample_s"] += time.perf_counter() - start
                     start = time.perf_counter()
                     metrics = grpo_step(policy, recorder, rollout, loss_options=config.loss.kwargs(),

@@ -4,7 +4,7 @@ measured against the mean of p^G + (1 - p)^G over the prompts.
     .venv/bin/grpo-kernels group-size-study --model smollm2-135m [--prompts 256] [--sampler vllm|hf] [--out DIR]
 
 The model and task are the trainer's (`--task arith --difficulty 1 --temperature 0.7 --max-new-tokens 24`, the
-settings of examples/train_smollm2_cpu.toml, prompts through the chat template); pass means `task.correct` (the
+settings of examples/train_smollm2_cpu.toml, prompts through the chat template); pass means `Rewards.correct` (the
 format bonus is not part of it). Every prompt gets two independent sets of completions, each of max(G) = 32
 completions unless --samples says otherwise:
 - set A estimates the prompt's p (its histogram is the seed's p on a real model) and predicts, per prompt, the
@@ -70,7 +70,8 @@ def compare(rows: list[dict], *, k: int) -> list[dict]:
 def sample_pass_rates(model: str, *, prompts: int, samples: int, sampler: str, task: str, difficulty: int,
                       temperature: float, max_new_tokens: int, seed: int) -> list[dict]:  # fmt: skip
     """Per prompt: the prompt, its answer, set A's successes and set B's outcomes (samples each)."""
-    from grpo_kernels.train.build import build, make_sampler
+    from grpo_kernels.train.build import load
+    from grpo_kernels.train.colocated import make_sampler
     from grpo_kernels.train.config_io import load_config
     from grpo_kernels.train.fsdp import SINGLE
     from grpo_kernels.train.sampling import seed_for
@@ -80,13 +81,14 @@ def sample_pass_rates(model: str, *, prompts: int, samples: int, sampler: str, t
                                          "num_eval_prompts": prompts, "seed": seed},
                                 "sampling": {"sampler": sampler, "temperature": temperature,
                                              "max_new_tokens": max_new_tokens, "group_size": 2}})  # fmt: skip
-    tok, task_, _, examples, policy = build(config)
-    engine = make_sampler(config, policy, tok, SINGLE)
+    inputs = load(config)
+    tok, examples = inputs.tok, inputs.eval_set
+    engine = make_sampler(config, inputs.model, tok, SINGLE)
     encoded = [tok.encode_prompt(e.prompt) for e in examples]
     sets = []
     for part in range(2):  # A, B: independent seeds
         rollout = engine.sample(encoded, samples, seeds=[seed_for(seed, 99, part, i) for i in range(len(examples))])
-        sets.append([task_.correct(tok.decode(c), examples[i // samples]) == 1.0
+        sets.append([inputs.rewards.correct(tok.decode(c), examples[i // samples]) == 1.0
                      for i, c in enumerate(rollout.completion_ids)])  # fmt: skip
     if sampler == "vllm":
         engine.close()

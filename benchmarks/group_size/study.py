@@ -120,8 +120,8 @@ def betabinom_all_equal(counts: list[int], n: int, g: int) -> float:
 
 
 def _recording_collect(collect, steps: list):
-    def wrapped(config, sampler, tok, task, next_prompts, step, g, d):
-        result = collect(config, sampler, tok, task, next_prompts, step, g, d)
+    def wrapped(config, sampler, tok, rewards, next_prompts, step, g, d):
+        result = collect(config, sampler, tok, rewards, next_prompts, step, g, d)
         rollout = result[0]  # correct answers per group, from the rollout's [groups, G] rewards
         steps.append((g, [] if rollout is None else [round(sum(row)) for row in rollout.rewards.tolist()]))
         return result
@@ -146,14 +146,14 @@ def run_one(label: str, overrides: dict, run_dir: Path, *, sft_cache: dict) -> d
     """Train the demo with overrides; per-step metrics, per-step (G, success counts per group) and the summary."""
     import json
 
-    from grpo_kernels.train import colocated, trainer
+    from grpo_kernels.train import build, colocated, trainer
     from grpo_kernels.train.config_io import load_config
 
     config = load_config(REPO / "examples" / "train_tiny_cpu.toml",
                          {**overrides, "logging.run_dir": str(run_dir), "logging.log_every": 10**6})  # fmt: skip
     groups: list = []
     with mock.patch.object(colocated, "collect", _recording_collect(colocated.collect, groups)), \
-            mock.patch.object(trainer, "sft_warmup", _cached_sft(trainer.sft_warmup, sft_cache)):  # fmt: skip
+            mock.patch.object(build, "sft_warmup", _cached_sft(build.sft_warmup, sft_cache)):  # fmt: skip
         summary = trainer.train(config, log=lambda *a, **k: None)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in rows if not r.get("no_update")]

@@ -126,7 +126,7 @@ def paired(diffs: list[float]) -> str:
     return f"{m:+.4f} ± {half:.4f}" + (" (outside)" if abs(m) > half else "")
 
 
-def rollout_stats(task, tok, examples, completions: list, truncated: list, g: int, rounds: int = 1) -> dict:
+def rollout_stats(rewards, tok, examples, completions: list, truncated: list, g: int, rounds: int = 1) -> dict:
     """Per prompt: the mean over its R groups of G completions (group r of prompt k in rows
     (r * len(examples) + k) * g ... + g) of each quantity, and the standard deviation of the R group means."""
     keys = ("length", "truncated", "reward", "correct", "bare", "invalid", "reward_sd", "distinct")
@@ -136,14 +136,14 @@ def rollout_stats(task, tok, examples, completions: list, truncated: list, g: in
         for r in range(rounds):
             rows = range((r * len(examples) + k) * g, (r * len(examples) + k + 1) * g)
             texts = [tok.decode(completions[i]) for i in rows]
-            rewards = [task.reward(t, e) for t in texts]
+            values = [rewards.reward(t, e) for t in texts]
             per_group["length"].append(statistics.mean(len(completions[i]) for i in rows))
             per_group["truncated"].append(statistics.mean(float(truncated[i]) for i in rows))
-            per_group["reward"].append(statistics.mean(rewards))
-            per_group["correct"].append(statistics.mean(task.correct(t, e) for t in texts))
+            per_group["reward"].append(statistics.mean(values))
+            per_group["correct"].append(statistics.mean(rewards.correct(t, e) for t in texts))
             per_group["bare"].append(statistics.mean(float(re.fullmatch(r"\s*-?\d+\s*", t) is not None) for t in texts))
-            per_group["invalid"].append(float(max(rewards) == min(rewards)))
-            per_group["reward_sd"].append(statistics.pstdev(rewards))
+            per_group["invalid"].append(float(max(values) == min(values)))
+            per_group["reward_sd"].append(statistics.pstdev(values))
             per_group["distinct"].append(len({tuple(completions[i].tolist()) for i in rows}) / g)
         for key in keys:
             out[key].append(statistics.mean(per_group[key]))
@@ -196,10 +196,8 @@ def main(argv=None) -> int:
                          "(no token check) or >= 2")
     if args.rounds < 1:
         raise SystemExit(f"sampler-distribution: --rounds must be >= 1, got {args.rounds}")
-    from grpo_kernels.train.build import task_examples
+    from grpo_kernels.train.build import load_model, task_examples, task_rewards
     from grpo_kernels.train.config_io import load_config
-    from grpo_kernels.train.hf_model import load_policy
-    from grpo_kernels.train.models import resolve_model
     from grpo_kernels.train.sampler import HFSampler
     from grpo_kernels.train.sampling import seed_for
     from grpo_kernels.train.tasks import PromptStream
@@ -208,10 +206,9 @@ def main(argv=None) -> int:
                                 f"--task.difficulty={args.difficulty}", f"--seed={args.seed}",
                                 *([f"--task.format_weight={args.format_weight}"] if args.format_weight is not None
                                   else [])])  # fmt: skip
-    path = resolve_model(args.model) or args.model
-    model, tok = load_policy(path, attn_implementation="sdpa")
-    tok.set_prompt_format(chat_template=True, system_prompt=config.task.system_prompt)
+    model, tok = load_model(config, attn_implementation="sdpa")  # the trainer's loading and prompt format
     task, train_set, _ = task_examples(config)
+    rewards = task_rewards(task, config.task)
     examples = PromptStream(train_set, args.seed).take(args.prompts)
     prompts = [tok.encode_prompt(e.prompt) for e in examples]
     g, start = args.group_size, time.perf_counter()
@@ -224,8 +221,8 @@ def main(argv=None) -> int:
         ours = sampler.sample(prompts * R, g, seeds=[seed_for(args.seed, r, 0, k) for r in range(R)
                                                      for k in range(len(prompts))])  # fmt: skip
     theirs = hf_sample(model, tok, prompts, g, args, args.seed, R)
-    a = rollout_stats(task, tok, examples, ours.completion_ids, ours.truncated, g, R)
-    b = rollout_stats(task, tok, examples, *theirs, g, R)
+    a = rollout_stats(rewards, tok, examples, ours.completion_ids, ours.truncated, g, R)
+    b = rollout_stats(rewards, tok, examples, *theirs, g, R)
 
     # token level: contexts along our completions (the first token and one further in, over the first prompts)
     contexts = []

@@ -142,10 +142,8 @@ def run(run_dir: Path, overrides: list[str], draw: str = "hf", micro_rows: int |
     import trl
     from datasets import Dataset
 
-    from grpo_kernels.train.build import task_examples
+    from grpo_kernels.train.build import load_model, task_examples, task_rewards
     from grpo_kernels.train.config_io import load_config
-    from grpo_kernels.train.hf_model import load_policy
-    from grpo_kernels.train.models import resolve_model
     from grpo_kernels.train.sampler import HFSampler
     from grpo_kernels.train.sampling import evaluate
     from grpo_kernels.train.tasks import Example, PromptStream
@@ -157,13 +155,12 @@ def run(run_dir: Path, overrides: list[str], draw: str = "hf", micro_rows: int |
     s, t = config.sampling, config.task
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
-    model, tok = load_policy(resolve_model(config.model.name) or config.model.name, attn_implementation="sdpa")
-    chat = {"on": True, "off": False, "auto": tok.has_chat_template}[t.chat_template]
-    if not chat:
+    model, tok = load_model(config, attn_implementation="sdpa")  # the trainer's loading and prompt format
+    if not {"on": True, "off": False, "auto": tok.has_chat_template}[t.chat_template]:
         raise SystemExit(f"learning-vs-trl: TRL cannot run {config.model.name} without a chat template (TRL adds no "
                          "<bos> to plain-text prompts, we do)")  # fmt: skip
-    tok.set_prompt_format(chat_template=True, system_prompt=t.system_prompt)
     task, train_set, eval_set = task_examples(config)
+    rewards = task_rewards(task, config.task)
     stream = PromptStream(train_set, config.seed).take(config.optim.steps * s.prompts_per_step)
 
     def messages(e):
@@ -178,7 +175,7 @@ def run(run_dir: Path, overrides: list[str], draw: str = "hf", micro_rows: int |
         texts = [c[-1]["content"] for c in completions]
         if completion_ids is not None:
             mismatched[0] += sum(text != tok.decode(ids) for text, ids in zip(texts, completion_ids, strict=True))
-        return [task.reward(text, Example(prompt=q, answer=a)) for text, q, a in zip(texts, question, answer,
+        return [rewards.reward(text, Example(prompt=q, answer=a)) for text, q, a in zip(texts, question, answer,
                                                                                        strict=True)]  # fmt: skip
 
     reward.__name__ = f"{task.name}_reward"
@@ -195,10 +192,10 @@ def run(run_dir: Path, overrides: list[str], draw: str = "hf", micro_rows: int |
     sampler = HFSampler(trainer.model, eos_id=tok.eos_id, pad_id=tok.pad_id, stop_ids=tok.stop_ids,
                         max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                         max_batch_rows=s.hf_max_batch_rows)  # fmt: skip
-    return _train(trainer, config, run_dir, sampler, tok, task, eval_set, evaluate, mismatched, transformers)
+    return _train(trainer, config, run_dir, sampler, tok, rewards, eval_set, evaluate, mismatched, transformers)
 
 
-def _train(trainer, config, run_dir, sampler, tok, task, eval_set, evaluate, mismatched, transformers) -> dict:
+def _train(trainer, config, run_dir, sampler, tok, rewards, eval_set, evaluate, mismatched, transformers) -> dict:
     s, every = config.sampling, config.task.eval_every
     metrics_path, eval_path = run_dir / "metrics.jsonl", run_dir / "eval.jsonl"
     checkpoints = sorted((run_dir / "trl").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
@@ -218,7 +215,7 @@ def _train(trainer, config, run_dir, sampler, tok, task, eval_set, evaluate, mis
             path.write_text("".join(line + "\n" for line in kept))
     else:
         start = time.perf_counter()
-        start_eval = evaluate(sampler, tok, task, eval_set, seed=config.seed + 7)
+        start_eval = evaluate(sampler, tok, rewards, eval_set, seed=config.seed + 7)
         totals["eval_s_total"] += time.perf_counter() - start
         metrics_path.write_text("")
         eval_path.write_text("")
@@ -255,7 +252,7 @@ def _train(trainer, config, run_dir, sampler, tok, task, eval_set, evaluate, mis
             step = state.global_step - 1
             if every and (state.global_step % every == 0 or state.global_step == args.max_steps):
                 start = time.perf_counter()
-                last["success"] = success = evaluate(sampler, tok, task, eval_set, seed=config.seed + 7)
+                last["success"] = success = evaluate(sampler, tok, rewards, eval_set, seed=config.seed + 7)
                 eval_s = time.perf_counter() - start
                 totals["eval_s_total"] += eval_s
                 with eval_path.open("a") as f:

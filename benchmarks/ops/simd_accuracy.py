@@ -39,7 +39,7 @@ RUNS = {
 def batch(model_name: str, seed: int = 0):
     """(hidden [T, H], head [V, H], completion ids [T], cu_seqlens, rewards [N], G, temperature) of one rollout."""
     from grpo_kernels.packing import pack_sequences
-    from grpo_kernels.train.build import build
+    from grpo_kernels.train.build import load
     from grpo_kernels.train.config_io import load_config
     from grpo_kernels.train.sampler import HFSampler
     from grpo_kernels.train.sampling import seed_for
@@ -50,7 +50,8 @@ def batch(model_name: str, seed: int = 0):
     path = Path(args[1]) if args[0] == "--config-file" else None
     config = load_config(path, [f"--seed={seed}", *(args if path is None else [])])
     torch.manual_seed(seed)
-    tok, task, train_set, _, model = build(config)
+    inputs = load(config)
+    tok, task, train_set, model = inputs.tok, inputs.task, inputs.train_set, inputs.model
     if config.task.sft_warmup_steps:
         sft_warmup(model, tok, task, steps=config.task.sft_warmup_steps, seed=seed)
     s, g = config.sampling, 8
@@ -59,8 +60,8 @@ def batch(model_name: str, seed: int = 0):
     examples = PromptStream(train_set, seed).take(16)
     rollout = sampler.sample([tok.encode_prompt(e.prompt) for e in examples], g,
                              seeds=[seed_for(seed, 0, 0, k) for k in range(len(examples))])  # fmt: skip
-    rewards = [task.reward(tok.decode(c), examples[k]) for k, c in zip(rollout.group_ids, rollout.completion_ids,
-                                                                       strict=True)]  # fmt: skip
+    rewards = [inputs.rewards.reward(tok.decode(c), examples[k])
+               for k, c in zip(rollout.group_ids, rollout.completion_ids, strict=True)]  # fmt: skip
     packed = pack_sequences(rollout.prompt_ids, rollout.completion_ids)
     model.eval()
     with torch.no_grad():

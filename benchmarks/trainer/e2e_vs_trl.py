@@ -94,15 +94,16 @@ def trl_dataset(directory: Path, spec: dict):
     """(datasets.Dataset, reward function) of the run's task, in TRL's form."""
     from datasets import Dataset
 
+    from grpo_kernels.train.build import task_rewards
     from grpo_kernels.train.tasks import load_jsonl, make_task, numeric_match
 
     if "model" in spec:  # conversational prompts: TRL renders them with the chat template, as the trainer does
         task = make_task("arith", difficulty=1, format_weight=FORMAT_WEIGHT)
-        examples = task.examples(ARITH_PROMPTS, seed=0)
+        examples, rewards = task.examples(ARITH_PROMPTS, seed=0), task_rewards(task)
         prompts = [[{"role": "user", "content": e.prompt}] for e in examples]
 
         def reward(completions, answer, **_) -> list[float]:
-            return [task.reward(c[-1]["content"], type(examples[0])(prompt="", answer=a))
+            return [rewards.reward(c[-1]["content"], type(examples[0])(prompt="", answer=a))
                     for c, a in zip(completions, answer, strict=True)]  # fmt: skip
     else:
         examples = load_jsonl(directory / "task.jsonl")

@@ -1,46 +1,94 @@
-"""Building a run: the task and its examples, the tokenizer and the model (checked against the token budget), the
-sampler, and the policy with its activation memory, sharding, optimizer and learning-rate schedule."""
+"""Building a run, once, in order: `load` (the task and its examples, the reward functions, the tokenizer with its
+prompt format and the model, checked against the token budget), then `build` (the SFT warm start, the rollouts and
+the policy with its activation memory, sharding, optimizer and learning-rate schedule) into one `RunParts`.
 
+    inputs = load(config)                  # no process started, nothing written but the model cache
+    model, tok = load_model(config)        # the model and tokenizer alone, the prompt format set as the trainer does
+"""
+
+import contextlib
 import copy
+import dataclasses
 import math
-import os
-import tempfile
-import warnings
 
 import torch
 
 from . import activation
 from .activation import decoder_blocks
+from .colocated import Colocated
 from .config import TrainConfig
+from .config_task import TaskConfig
+from .converters import apply_converters, make_converter, trainable_parameters
 from .fsdp import Dist, shard
-from .lengths import check_model_len, kv_cache_shortfall, position_limit
+from .lengths import check_model_len, position_limit
 from .rewards import Rewards, load_reward_function
-from .sampler import HFSampler
-from .step import Policy
-from .tasks import CharTokenizer, make_task, tiny_model
+from .step import Policy, sft_warmup
+from .tasks import CharTokenizer, Example, Task, make_task, tiny_model
 
-__all__ = ["build", "build_policy", "make_sampler", "task_examples", "task_rewards"]
+__all__ = ["Loaded", "RunParts", "build", "build_policy", "load", "load_model", "make_rollouts", "make_run_task",
+           "task_examples", "task_rewards"]  # fmt: skip
 
 
-def task_examples(config: TrainConfig):
-    """(task, training examples, held-out examples) of a run: what it trains on (in `PromptStream(train,
-    config.seed)` order) and evaluates on; task.rewards are the reward functions it scores with (task.reward_funcs,
-    or the task's own), loaded here: a spec that does not load is an error before any model loads."""
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    """A run's inputs as the trainer loads them, before any warm start, copy or sharding: the tokenizer (its prompt
+    format set), the task, its training examples (trained on in `PromptStream(train_set, config.seed)` order) and
+    held-out examples, the reward functions that score them, and the model (on the CPU, in fp32)."""
+
+    tok: object
+    task: Task
+    train_set: list[Example]
+    eval_set: list[Example]
+    rewards: Rewards
+    model: torch.nn.Module
+
+
+@dataclasses.dataclass(frozen=True)
+class RunParts:
+    """Everything a run's loop uses, built once by `build`: the inputs, the policy (`policy.model` is the trained
+    model), the frozen reference policy (None without a KL term), the optimizer and its learning-rate schedule, and
+    the rollouts (a `RolloutSource`)."""
+
+    tok: object
+    task: Task
+    train_set: list[Example]
+    eval_set: list[Example]
+    rewards: Rewards
+    policy: Policy
+    ref_policy: Policy | None
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    rollouts: object
+
+
+def make_run_task(config: TrainConfig) -> Task:
+    """The task of config.task (a dataset's is read here)."""
     t = config.task
     dataset = dict(source=t.dataset, split=t.split, eval_split=t.eval_split, prompt_column=t.prompt_column,
                    answer_column=t.answer_column) if t.name == "dataset" else None  # fmt: skip
-    task = make_task(t.name, difficulty=t.difficulty, path=t.path, reward=t.reward, format_weight=t.format_weight,
+    return make_task(t.name, difficulty=t.difficulty, path=t.path, reward=t.reward, format_weight=t.format_weight,
                      dataset=dataset)  # fmt: skip
-    task.rewards = task_rewards(config, task)
+
+
+def task_examples(config: TrainConfig, task: Task | None = None):
+    """(task, training examples, held-out examples) of a run: what it trains on (in `PromptStream(train,
+    config.seed)` order) and evaluates on. task: the run's task if made already (`make_run_task`)."""
+    t = config.task
+    task = task if task is not None else make_run_task(config)
     if hasattr(task, "split_examples"):  # a dataset: held-out examples never trained on
         train_set, eval_set = task.split_examples(t.num_train_prompts, t.num_eval_prompts, t.seed)
         return task, train_set, eval_set
     return task, task.examples(t.num_train_prompts, seed=t.seed), task.examples(t.num_eval_prompts, seed=t.seed + 1)
 
 
-def task_rewards(config: TrainConfig, task) -> Rewards:
-    """The run's reward functions: task.reward_funcs with their weights, or the task's own."""
-    t = config.task
+def task_rewards(task: Task, settings: TaskConfig | None = None) -> Rewards:
+    """The reward functions a run of the task scores with: settings.reward_funcs with their weights, or the task's
+    own; with settings' success function, timeout and worker processes (None: the defaults). A spec that does not
+    load is an error here, before any model loads."""
+    if settings is None:  # the task's own functions with the defaults of every setting
+        return Rewards([load_reward_function(name) for name in task.REWARDS], task.reward_weights(),
+                       task_name=task.name)  # fmt: skip
+    t = settings
     if t.reward_funcs:
         functions, weights = [load_reward_function(spec) for spec in t.reward_funcs], t.reward_weights
     else:
@@ -49,22 +97,23 @@ def task_rewards(config: TrainConfig, task) -> Rewards:
                    processes=t.reward_processes, task_name=t.name)  # fmt: skip
 
 
-def build(config: TrainConfig):
-    """Tokenizer, task, train/eval examples and the model; checks the data against the budget. Writes nothing but
-    the model cache (a known model such as "smollm2-135m" is converted there on first use)."""
+def load_model(config: TrainConfig, *, attn_implementation: str | None = None):
+    """(model, tokenizer) as a run loads them: the built-in tiny decoder (seeded by config.seed) or a model path /
+    known name in fp32 on the CPU, the tokenizer's prompt format set by task.chat_template and task.system_prompt
+    (an error where the tokenizer cannot honour them). attn_implementation: instead of model.attn_implementation."""
     t, m = config.task, config.model
-    task, train_set, eval_set = task_examples(config)
+    attn = attn_implementation or m.attn_implementation
     if m.name == "tiny":
         tok = CharTokenizer()
         model = tiny_model(tok.vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
                            num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                           attn_implementation=m.attn_implementation, seed=config.seed)  # fmt: skip
+                           attn_implementation=attn, seed=config.seed)  # fmt: skip
     else:
         from .hf_model import load_policy
         from .models import resolve_model
 
         path = resolve_model(m.name) or m.name
-        model, tok = load_policy(path, dtype="float32", attn_implementation=m.attn_implementation)
+        model, tok = load_policy(path, dtype="float32", attn_implementation=attn)
     chat = {"on": True, "off": False, "auto": tok.has_chat_template}[t.chat_template]
     if chat and not tok.has_chat_template:
         raise ValueError(f'task.chat_template is "on" but the tokenizer of {m.name} has no chat template')
@@ -72,6 +121,18 @@ def build(config: TrainConfig):
         raise ValueError(f"task.system_prompt needs the chat template, and the tokenizer of {m.name} has none")
     if chat:
         tok.set_prompt_format(chat_template=True, system_prompt=t.system_prompt)
+    return model, tok
+
+
+def load(config: TrainConfig) -> Loaded:
+    """The run's inputs (`Loaded`), the data checked against the token budget and the model's positions. Starts no
+    process and writes nothing but the model cache (a known model such as "smollm2-135m" is converted there on first
+    use)."""
+    m = config.model
+    task = make_run_task(config)
+    rewards = task_rewards(task, config.task)  # (a spec that does not load: an error before the examples are drawn)
+    task, train_set, eval_set = task_examples(config, task)
+    model, tok = load_model(config)
     longest = max(len(tok.encode_prompt(e.prompt)) for e in train_set + eval_set)
     # What the samplers allow, prompt + completion (vLLM's max_model_len, the servers' --max-model-len), kept where
     # HF keeps that bound, the model's generation config, for `make_sampler` and the decoupled servers.
@@ -89,32 +150,38 @@ def build(config: TrainConfig):
     if sp > 1 and heads is not None and heads % sp:
         raise ValueError(f"distributed.sequence_parallel = {sp} must divide the attention heads of {m.name} "
                          f"({heads})")  # fmt: skip
-    return tok, task, train_set, eval_set, model
+    return Loaded(tok, task, train_set, eval_set, rewards, model)
 
 
-def make_sampler(config: TrainConfig, model, tok, d: Dist):
-    """The HF sampler (the training model itself, or a full copy when the model will be sharded) or vLLM."""
-    s = config.sampling
-    if s.sampler == "hf":
-        return HFSampler(copy.deepcopy(model) if d.distributed else model, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                         stop_ids=tok.stop_ids,
-                         max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                         max_batch_rows=s.hf_max_batch_rows)  # fmt: skip
-    from .vllm_sampler import VLLMSampler, save_hf_model
+def build(config: TrainConfig, d: Dist, *, resources: contextlib.ExitStack, run_dir, resuming: bool, log) -> RunParts:
+    """The run's parts, in order: its inputs (`load`), the SFT warm start (a new run's: a resumed one loads its
+    weights), the model converters (model.converters), the model on its device, the rollouts made from it (before it
+    is sharded), then the policy (`build_policy`). What holds a process or a thread (the reward functions' workers,
+    the rollouts) goes on resources as it is made."""
+    converters = [make_converter(spec) for spec in config.model.converters]  # (a spec that does not load: now)
+    inputs = load(config)
+    resources.callback(inputs.rewards.close)  # the reward functions' worker processes, if any
+    model, tok, task = inputs.model, inputs.tok, inputs.task
+    if config.task.sft_warmup_steps and not resuming:
+        losses = sft_warmup(model, tok, task, steps=config.task.sft_warmup_steps, seed=config.seed)
+        log(f"SFT warm start: {config.task.sft_warmup_steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    model = apply_converters(model, config, converters)
+    model.to(d.device)
+    rollouts = make_rollouts(config, model, inputs, d, run_dir, log)
+    resources.callback(rollouts.close)
+    policy, ref_policy, optimizer, scheduler = build_policy(config, model, d, log)
+    return RunParts(tok, task, inputs.train_set, inputs.eval_set, inputs.rewards, policy, ref_policy, optimizer,
+                    scheduler, rollouts)  # fmt: skip
 
-    dtype = "bfloat16" if config.model.dtype == "bfloat16" else "float32"
-    if not torch.cuda.is_available():  # vLLM's CPU cache is VLLM_CPU_KVCACHE_SPACE GiB (VLLMSampler's default: 1)
-        short = kv_cache_shortfall(model.config, group_size=s.group_size, dtype=dtype,
-                                   max_model_len=model.generation_config.max_length,
-                                   space_gib=float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 1))  # fmt: skip
-        if short:
-            warnings.warn(short, stacklevel=2)
-    with tempfile.TemporaryDirectory(prefix="grpo-sampler-") as directory:  # vLLM loads from a directory
-        save_hf_model(model, directory)
-        return VLLMSampler(directory, eos_id=tok.eos_id, stop_ids=tok.stop_ids, max_new_tokens=s.max_new_tokens,
-                           temperature=s.temperature, max_model_len=model.generation_config.max_length,
-                           top_p=s.top_p, gpu_memory_utilization=s.vllm_gpu_memory_utilization,
-                           dtype=dtype, external_launcher=d.distributed)  # fmt: skip
+
+def make_rollouts(config: TrainConfig, model, inputs: Loaded, d: Dist, run_dir, log):
+    """The run's `RolloutSource`, made from the model before it is sharded: rollout servers (decoupled; started by
+    rank 0) or the trainer's own sampler (colocated)."""
+    if config.sampling.placement == "decoupled":
+        from .decoupled import Decoupled  # imports vLLM (its weight-transfer API): only here
+
+        return Decoupled.open(config, model, inputs, d, run_dir, log)
+    return Colocated(config, model, inputs, d)
 
 
 def build_policy(config: TrainConfig, model, d: Dist, log):
@@ -134,7 +201,7 @@ def build_policy(config: TrainConfig, model, d: Dist, log):
         for p in [policy] + ([ref_policy] if ref_policy else []):
             shard(p, decoder_blocks(p.model), device=d.device, world=d.world, dtype=dtype)
     o = config.optim
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+    optimizer = torch.optim.AdamW(trainable_parameters(policy), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config))
     return policy, ref_policy, optimizer, scheduler
 

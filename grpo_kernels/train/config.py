@@ -100,6 +100,10 @@ class ModelConfig:
     floats per token for a SwiGLU MLP) exist for one tile at a time instead of the whole row, in the forward and in the
     recompute; for one more MLP forward per block. For long rows (thousands of tokens), e.g. 512; below
     packing.token_budget (the longest row). 0: off. The loss and gradients are the same either way."""
+    converters: tuple[str, ...] = ()
+    """Model converters (grpo_kernels.train.converters), applied in this order after loading and the SFT warm
+    start, before the reference copy, activation memory and sharding: a registered name or "module:factory". None by
+    default."""
 
     def __post_init__(self):
         _validate(
@@ -112,6 +116,8 @@ class ModelConfig:
         if gb is not None:
             _check(self, "activation_memory_gb", 0 < gb < float("inf"), "a positive finite number of GiB or none")
         _check(self, "name", self.name != "", "a non-empty string")
+        for i, spec in enumerate(self.converters):
+            _check(self, "converters", spec.strip() != "", f"a list of names or 'module:factory' (entry {i} is empty)")
         _check(self, "num_kv_heads", self.num_heads % self.num_kv_heads == 0, f"a divisor of {self.num_heads}")
 
 

@@ -1,7 +1,7 @@
 """`sampling.placement = "decoupled"`: the trainer's side of rollout servers on their own devices, a `RolloutSource`
 (train/rollout_source.py).
 
-    rollouts = Decoupled.open(config, model, tok, task, train_set, eval_set, d, run_dir, log)
+    rollouts = Decoupled.open(config, model, inputs, d, run_dir, log)
                                                                        # before sharding: the servers' model
     rollouts.begin(policy, version=first, resumed=...)                 # after sharding: the weight stream; the
                                                                        # servers get the trainer's weights
@@ -120,21 +120,21 @@ class Decoupled:
     """Rollout servers started (or reached) by trainer rank 0, the sampler over them, the weight stream, the
     pipeline that samples ahead; the prompt stream (drawn by rank 0's thread) and the held-out examples."""
 
-    def __init__(self, config, tok, task, stream, eval_set, d, started, clients, sampler, model_dir: Path, log):
+    def __init__(self, config, tok, rewards, stream, eval_set, d, started, clients, sampler, model_dir: Path, log):
         self.config, self.s, self.tok, self.d, self.log = config, config.sampling, tok, d, log
-        self.task, self.stream, self.eval_set = task, stream, eval_set
+        self.rewards, self.stream, self.eval_set = rewards, stream, eval_set
         self.started, self.clients, self.sampler, self.model_dir = started, clients, sampler, model_dir
         self.sync_engine, self.pipeline, self.group_size = None, None, None
         example = stream.examples[0]  # every sync checks the weights on the first training example
         self.check_sequence = (tok.encode_prompt(example.prompt), tok.encode(example.answer, eos=True))
 
     @classmethod
-    def open(cls, config, model, tok, task, train_set, eval_set, d, run_dir: Path, log) -> "Decoupled":
+    def open(cls, config, model, inputs, d, run_dir: Path, log) -> "Decoupled":
         """Rank 0: write the model for the servers, start them (or reach sampling.server_urls), set their
         temperature. Other ranks: nothing but the model directory's name. A started server's --max-model-len is
         model.generation_config.max_length (set by the trainer's `build`: the longest prompt + max_new_tokens, or
-        sampling.max_model_len)."""
-        s, stream = config.sampling, PromptStream(train_set, config.seed)
+        sampling.max_model_len). inputs: the run's `Loaded` (its tokenizer, examples and rewards)."""
+        s, tok, stream = config.sampling, inputs.tok, PromptStream(inputs.train_set, config.seed)
         model_dir = Path(run_dir) / "rollout-model"
         started, clients, sampler = [], [], None
         cpus = _split_cores(s, log) if not torch.cuda.is_available() and not s.server_urls else None
@@ -175,7 +175,7 @@ class Decoupled:
             log(f"warning: task.reward_timeout_s = {t.reward_timeout_s} bounds no plain reward function here: "
                 "decoupled sampling scores in its own thread, where a hung call cannot be stopped (set "
                 "task.reward_processes to run them in processes that can)")  # fmt: skip
-        return cls(config, tok, task, stream, eval_set, d, started, clients, sampler, model_dir, log)
+        return cls(config, tok, inputs.rewards, stream, inputs.eval_set, d, started, clients, sampler, model_dir, log)
 
     def begin(self, policy, *, version: int, resumed: bool) -> None:
         """Every rank, a new run's too: the weight stream connected, the trainer's weights sent to the servers, the
@@ -252,10 +252,10 @@ class Decoupled:
         """Rank 0, the sampling thread: the batch of `step`."""
         g = self.group_size()
         self.sampler.versions.clear()
-        rollout, sampled, rounds, tokens = collect(self.config, self.sampler, self.tok, self.task, self.stream.take,
+        rollout, sampled, rounds, tokens = collect(self.config, self.sampler, self.tok, self.rewards, self.stream.take,
                                                    step, g, SINGLE)  # fmt: skip
         item = {"rollout": rollout, "sampled": sampled, "rounds": rounds, "tokens": tokens, "group_size": g,
-                "prompt_state": self.stream.state_dict(), "reward_logged": self.task.rewards.take_logged()}  # fmt: skip
+                "prompt_state": self.stream.state_dict(), "reward_logged": self.rewards.take_logged()}  # fmt: skip
         if self.sampler.versions:  # the weight version the servers report for the batch's tokens
             item["version"] = min(self.sampler.versions)
         return item
@@ -277,7 +277,7 @@ class Decoupled:
 
     def evaluate(self) -> HeldOut:
         """Rank 0 samples the held-out answers; every rank gets the result."""
-        result = held_out(self.sampler, self.tok, self.task, self.eval_set, seed=self.config.seed + 7) \
+        result = held_out(self.sampler, self.tok, self.rewards, self.eval_set, seed=self.config.seed + 7) \
             if self.d.is_main else None  # fmt: skip
         return all_gather_objects(result, self.d)[0]
 

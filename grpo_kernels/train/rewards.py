@@ -214,6 +214,14 @@ class Rewards:
         total = (per_func * weights).nansum(dim=1)
         return total.masked_fill(per_func.isnan().all(dim=1), float("nan"))
 
+    def reward(self, completion: str, example) -> float:
+        """The weighted sum of the functions on one (text) completion of example."""
+        return float(self.combine(self.score([example], [completion], [[]], step=0, record=False))[0])
+
+    def correct(self, completion: str, example) -> float:
+        """The success function's value on one (text) completion of example (what held-out success counts)."""
+        return float(self.score([example], [completion], [[]], step=0, record=False)[0, self.success])
+
     def metrics(self, per_func: torch.Tensor) -> dict:
         """TRL's per-function metrics of [..., K] values: rewards/<name>/mean and /std (unbiased) over the
         completions the function applied to (NaN where it applied to none)."""

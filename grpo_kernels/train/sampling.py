@@ -1,5 +1,5 @@
 """The step's scored samples: the sampling seeds, G samples of every prompt spread over the ranks and scored by
-the task's reward functions (`task.rewards`), dynamic sampling's extra rounds, and the held-out evaluation (one
+the run's reward functions (a `Rewards`), dynamic sampling's extra rounds, and the held-out evaluation (one
 answer per prompt: the success function's mean, and every function's)."""
 
 import math
@@ -22,10 +22,10 @@ def seed_for(*parts: int) -> int:
     return out % 2**63
 
 
-def sample_scored(sampler, tok, task, examples, g: int, seeds: list, d: Dist, *, evaluation: bool = False,
+def sample_scored(sampler, tok, rewards, examples, g: int, seeds: list, d: Dist, *, evaluation: bool = False,
                   step: int = 0, max_steps: int = 0) -> Rollout:  # fmt: skip
     """The scored rollout of G samples of every example, group k for examples[k]: rank r samples and scores the
-    examples r, r + world, ... and every rank receives the whole result. Scored by task.rewards: the weighted sum
+    examples r, r + world, ... and every rank receives the whole result. Scored by rewards: the weighted sum
     (NaN: unscorable), each function's values in rollout.rewards_per_func. evaluation: a held-out evaluation's
     samples (the same scoring; samplers and benchmarks may tell them apart); step: the trainer_state's global_step
     the reward functions see."""
@@ -36,14 +36,14 @@ def sample_scored(sampler, tok, task, examples, g: int, seeds: list, d: Dist, *,
     completions = [t if isinstance(e.prompt, str) else [{"role": "assistant", "content": t}]
                    for t, e in zip(texts, rows, strict=True)]  # fmt: skip
     ids = [[int(t) for t in c] for c in r.completion_ids]
-    per_func = task.rewards.score(rows, completions, ids, step=step, max_steps=max_steps, record=not evaluation)
-    part = r.with_rewards(task.rewards.combine(per_func), per_func=per_func)
+    per_func = rewards.score(rows, completions, ids, step=step, max_steps=max_steps, record=not evaluation)
+    part = r.with_rewards(rewards.combine(per_func), per_func=per_func)
     gathered = all_gather_objects((mine, part), d)
     position = {k: i for i, k in enumerate(k for ks, _ in gathered for k in ks)}
     return Rollout.concat([p for _, p in gathered]).select([position[k] for k in range(len(examples))])
 
 
-def collect(config: TrainConfig, sampler, tok, task, next_prompts, step: int, g: int, d: Dist):
+def collect(config: TrainConfig, sampler, tok, rewards, next_prompts, step: int, g: int, d: Dist):
     """The step's (scored rollout, prompts sampled, extra rounds, completion tokens sampled). With dynamic
     sampling, groups without a gradient signal are dropped and more prompts sampled, for at most
     max_resample_rounds more rounds; the rollout is None when no group survived. With
@@ -54,7 +54,7 @@ def collect(config: TrainConfig, sampler, tok, task, next_prompts, step: int, g:
     while True:
         batch = next_prompts(s.prompts_per_step - sum(r.num_groups for r in parts))
         seeds = [seed_for(config.seed, step, rounds, k) for k in range(len(batch))]
-        rollout = sample_scored(sampler, tok, task, batch, g, seeds, d, step=step, max_steps=config.optim.steps)
+        rollout = sample_scored(sampler, tok, rewards, batch, g, seeds, d, step=step, max_steps=config.optim.steps)
         sampled, tokens = sampled + len(batch), tokens + sum(len(c) for c in rollout.completion_ids)
         if gs.dynamic_sampling:  # keep the groups with a gradient signal: the advantage kernel's own verdict
             rollout = rollout.select(rollout.advantages.valid.nonzero().flatten().tolist())
@@ -78,28 +78,28 @@ class HeldOut(NamedTuple):
     means: dict
 
 
-def held_out(sampler, tok, task, examples, *, seed: int, d: Dist = SINGLE, step: int = 0) -> HeldOut:
+def held_out(sampler, tok, rewards, examples, *, seed: int, d: Dist = SINGLE, step: int = 0) -> HeldOut:
     """One sampled answer per held-out prompt, scored by every reward function."""
-    names = task.rewards.names
+    names = rewards.names
     if not examples:
         return HeldOut(float("nan"), {name: float("nan") for name in names})
-    rollout = sample_scored(sampler, tok, task, examples, 1, [seed_for(seed, k) for k in range(len(examples))], d,
+    rollout = sample_scored(sampler, tok, rewards, examples, 1, [seed_for(seed, k) for k in range(len(examples))], d,
                             evaluation=True, step=step)  # fmt: skip
     per_func = rollout.rewards_per_func.reshape(len(examples), len(names))
     means = {name: float(per_func[:, k].nanmean()) for k, name in enumerate(names)}
-    values = per_func[:, task.rewards.success]
+    values = per_func[:, rewards.success]
     scored = values[~values.isnan()]
     if not bool(((scored == 0) | (scored == 1)).all()):
-        warnings.warn(f"held-out success: the success function {names[task.rewards.success]!r} returned values "
+        warnings.warn(f"held-out success: the success function {names[rewards.success]!r} returned values "
                       "other than 0 and 1; success is reported as NaN (name a 0/1 function in task.success_reward)",
                       stacklevel=2)  # fmt: skip
         return HeldOut(float("nan"), means)
     return HeldOut(float(scored.sum() / len(examples)) if len(scored) else float("nan"), means)
 
 
-def evaluate(sampler, tok, task, examples, *, seed: int, d: Dist = SINGLE) -> float:
+def evaluate(sampler, tok, rewards, examples, *, seed: int, d: Dist = SINGLE) -> float:
     """Success rate (the success function's mean) of one sampled answer per held-out prompt."""
-    return held_out(sampler, tok, task, examples, seed=seed, d=d).success
+    return held_out(sampler, tok, rewards, examples, seed=seed, d=d).success
 
 
 def standard_error(rate: float, n: int) -> float:

@@ -9,9 +9,9 @@
 Each task brings its rewards as named reward functions in TRL's form (grpo_kernels.train.rewards): "exact" (match
 after stripping whitespace), "numeric" (the same number), "math_verify" (the JSONL task, when installed and asked
 for), and arith's "arith_correct" plus "arith_format" weighted by its format bonus. `task.reward_funcs` replaces them
-with the user's own. `reward(completion, example)` is their weighted sum on one completion and `correct` the success
-function's value. Everything is deterministic given a seed (`random.Random`), so a resumed run sees the same
-prompts.
+with the user's own; the run's `Rewards` (grpo_kernels.train.build.task_rewards) score a task's completions and are
+passed where they are used, not kept on the task. Everything is deterministic given a seed (`random.Random`), so a
+resumed run sees the same prompts.
 """
 
 import random
@@ -19,7 +19,6 @@ import string
 
 from . import rewards_builtin
 from .data import Example, examples_from_rows, load_jsonl, load_rows
-from .rewards import Rewards, load_reward_function
 
 __all__ = [
     "ArithTask", "CharTokenizer", "Example", "PromptStream", "Task", "exact_match", "load_jsonl", "make_task",
@@ -103,30 +102,6 @@ class Task:
 
     def reward_weights(self) -> list:
         return [1.0] * len(self.REWARDS)
-
-    @property
-    def rewards(self) -> Rewards:
-        """The reward functions a run scores with: the task's own unless replaced (build: task.reward_funcs)."""
-        if getattr(self, "_rewards", None) is None:
-            self._rewards = Rewards([load_reward_function(n) for n in self.REWARDS], self.reward_weights(),
-                                    task_name=self.name)  # fmt: skip
-        return self._rewards
-
-    @rewards.setter
-    def rewards(self, value: Rewards) -> None:
-        self._rewards = value
-
-    def reward(self, completion: str, example: Example) -> float:
-        """The weighted sum of the reward functions on one (text) completion."""
-        r = self.rewards
-        values = r.score([example], [completion], [[]], step=0)
-        return float(r.combine(values)[0])
-
-    def correct(self, completion: str, example: Example) -> float:
-        """The success function's value on one completion (held-out success): the first reward function, unless
-        task.success_reward names another."""
-        r = self.rewards
-        return float(r.score([example], [completion], [[]], step=0)[0, r.success])
 
 
 class ReverseTask(Task):

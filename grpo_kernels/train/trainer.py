@@ -26,17 +26,15 @@ import time
 import torch
 
 from . import preflight
-from .build import build, build_policy
+from .build import RunParts, build
 from .checkpoint import load_checkpoint, save_checkpoint
-from .colocated import Colocated
 from .config import TrainConfig
 from .config_io import to_dict
 from .fsdp import Dist, init_distributed
 from .group_size import AdaptiveGroupSize
-from .rollout_source import RolloutSource
 from .run_files import RunLog, resume_point
 from .sampling import HeldOut, standard_error, with_standard_error
-from .step import grpo_step, sft_warmup
+from .step import grpo_step
 
 __all__ = ["TIMING_METRICS", "train"]
 
@@ -55,26 +53,10 @@ def train(config: TrainConfig, *, log=print) -> dict:
         config = preflight.check(config, d.device.type)  # this host's checks; "auto" dtype and trackers resolved
         run_dir, checkpoint = resume_point(config, d, log)
         torch.manual_seed(config.seed)
-        tok, task, train_set, eval_set, model = build(config)
-        stack.callback(task.rewards.close)  # the reward functions' worker processes, if any
         if not d.is_main:
             log = lambda *a, **k: None  # noqa: E731
-        if config.task.sft_warmup_steps and checkpoint is None:
-            losses = sft_warmup(model, tok, task, steps=config.task.sft_warmup_steps, seed=config.seed)
-            log(f"SFT warm start: {config.task.sft_warmup_steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
-        model.to(d.device)
-        rollouts = _rollouts(config, model, tok, task, train_set, eval_set, d, run_dir, log)
-        stack.callback(rollouts.close)
-        return _Run(config, d, run_dir, model, rollouts, log).run(checkpoint, stack)
-
-
-def _rollouts(config: TrainConfig, model, tok, task, train_set, eval_set, d: Dist, run_dir, log) -> RolloutSource:
-    """The run's rollouts, made from the model before it is sharded."""
-    if config.sampling.placement == "decoupled":  # rollout servers, started by rank 0; the sampler is rank 0's
-        from .decoupled import Decoupled  # imports vLLM (its weight-transfer API): only here
-
-        return Decoupled.open(config, model, tok, task, train_set, eval_set, d, run_dir, log)
-    return Colocated(config, model, tok, task, train_set, eval_set, d)
+        parts = build(config, d, resources=stack, run_dir=run_dir, resuming=checkpoint is not None, log=log)
+        return _Run(config, d, run_dir, parts, log).run(checkpoint, stack)
 
 
 def _end_process_group(d: Dist) -> None:
@@ -92,17 +74,16 @@ class _HeldOutRecord:
 
 
 class _Run:
-    """One run after its build: the policy and its optimizer, the rollouts (a `RolloutSource`: colocated or
-    decoupled), and what accumulates between steps. `run` is the loop; each step is a method of its own."""
+    """One run after its build: its parts (`RunParts`: the policy and its optimizer, the rollouts, ...), and what
+    accumulates between steps. `run` is the loop; each step is a method of its own."""
 
-    def __init__(self, config, d, run_dir, model, rollouts: RolloutSource, log):
-        self.config, self.d, self.run_dir, self.rollouts, self.log = config, d, run_dir, rollouts, log
-        self.policy, ref_policy, self.optimizer, self.scheduler = build_policy(config, model, d, log)
+    def __init__(self, config, d, run_dir, parts: RunParts, log):
+        self.config, self.d, self.run_dir, self.parts, self.log = config, d, run_dir, parts, log
         gs = config.group_size
         self.adaptive = AdaptiveGroupSize(config.sampling.group_size, maximum=gs.max_group_size,
                                           threshold=gs.invalid_rate_threshold,
                                           window=gs.window) if gs.adaptive else None  # fmt: skip
-        self.step_options = self._step_options(ref_policy)
+        self.step_options = self._step_options(parts.ref_policy)
         # cumulative over the run (eval.jsonl reports them at every evaluation): completions and their tokens
         # sampled (dynamic sampling's dropped groups and steps without an update included), seconds sampling,
         # training, syncing; num_tokens: prompt + completion tokens of every row trained on (TRL's num_tokens)
@@ -155,30 +136,30 @@ class _Run:
         held-out success before training (of a new run; a resumed one kept it); (first step, seconds so far)."""
         first, elapsed = 0, 0.0
         if checkpoint is not None:
-            state = load_checkpoint(checkpoint, policy=self.policy, optimizer=self.optimizer,
+            state = load_checkpoint(checkpoint, policy=self.parts.policy, optimizer=self.parts.optimizer,
                                     ref_policy=self.step_options["ref_policy"], verify=False)  # fmt: skip
             first, elapsed = state["step"], state["elapsed_s"]
-            self.rollouts.stream.load_state_dict(state)
-            self.scheduler.load_state_dict(state["scheduler"])
+            self.parts.rollouts.stream.load_state_dict(state)
+            self.parts.scheduler.load_state_dict(state["scheduler"])
             if self.adaptive:
                 self.adaptive.load_state_dict(state["adaptive"])
             self.held.start = HeldOut(state["eval_success_start"], {})  # (its reward means are not kept)
             self.held.seconds = state.get("eval_s_total", 0.0)
             self.totals.update(state.get("totals", {}))
-        self.rollouts.begin(self.policy, version=first, resumed=checkpoint is not None)
+        self.parts.rollouts.begin(self.parts.policy, version=first, resumed=checkpoint is not None)
         if checkpoint is not None:
             self.log(f"resumed from {checkpoint} at step {first}")
         else:
-            self.held.start = self.rollouts.evaluate()
-            n = len(self.rollouts.eval_set)
+            self.held.start = self.parts.rollouts.evaluate()
+            n = len(self.parts.eval_set)
             self.log(f"held-out success before RL: {with_standard_error(self.held.start.success, n)}")
         return first, elapsed
 
     def _open(self, stack: contextlib.ExitStack, *, first: int, elapsed: float, resumed: bool) -> None:
         """The run's files and trackers, the progress bar, the rollouts' start."""
-        self.files = RunLog.open(self.config, self.run_dir, self.rollouts.tok, first=first, resumed=resumed, d=self.d,
+        self.files = RunLog.open(self.config, self.run_dir, self.parts.tok, first=first, resumed=resumed, d=self.d,
                                  resources=stack)  # fmt: skip
-        start, n = self.held.start, len(self.rollouts.eval_set)
+        start, n = self.held.start, len(self.parts.eval_set)
         if not resumed and n:
             self.files.before_training({"eval_success": start.success,
                                         "eval_success_se": standard_error(start.success, n),
@@ -187,7 +168,7 @@ class _Run:
         if self.bar is not None:
             stack.callback(self.bar.close)
         self.started = time.perf_counter() - elapsed
-        self.rollouts.start(first=first, last=self.config.optim.steps, group_size=self._group_size)
+        self.parts.rollouts.start(first=first, last=self.config.optim.steps, group_size=self._group_size)
 
     def _say(self, text: str) -> None:
         """A line on the terminal (above the progress bar when there is one)."""
@@ -198,7 +179,7 @@ class _Run:
 
     def _rollout(self, step: int) -> dict:
         """The step's batch (see RolloutSource.batch), counted in the totals."""
-        batch = self.rollouts.batch(step)
+        batch = self.parts.rollouts.batch(step)
         self.totals["completions_sampled"] += batch["sampled"] * batch["group_size"]
         self.totals["sampled_tokens"] += batch["tokens"]
         self.totals["generate_s"] += batch["timing"]["rollout_generate_s"]
@@ -207,25 +188,25 @@ class _Run:
     def _update(self, step: int, batch: dict) -> dict:
         """The optimizer step on the batch (none when no group survived) and the new weights to the sampler; the
         step's metrics line."""
-        rollout, g, sampled = batch["rollout"], batch["group_size"], batch["sampled"]
+        parts, rollout, g, sampled = self.parts, batch["rollout"], batch["group_size"], batch["sampled"]
         if rollout is None:  # a line that says so (no loss, reward or throughput: nothing was trained)
-            metrics = {**batch["timing"], **(self.rollouts.sync(self.policy, step + 1, changed=False) or {})}
+            metrics = {**batch["timing"], **(parts.rollouts.sync(parts.policy, step + 1, changed=False) or {})}
             metrics.update(no_update=1, invalid_group_rate=1.0)
         else:
-            metrics = grpo_step(self.policy, self.optimizer, rollout, **self.step_options)
-            self.scheduler.step()
-            metrics.update(batch["timing"], **self.rollouts.sync(self.policy, step + 1),
+            metrics = grpo_step(parts.policy, parts.optimizer, rollout, **self.step_options)
+            parts.scheduler.step()
+            metrics.update(batch["timing"], **parts.rollouts.sync(parts.policy, step + 1),
                            invalid_all_zero_rate=rollout.all_zero_fraction())  # fmt: skip
             self.totals["train_s"] += metrics["train_step_s"]
             self.totals["sync_s"] += metrics.get("weight_sync_s", 0.0)
             pairs = zip(rollout.prompt_ids, rollout.completion_ids, strict=True)
             self.totals["num_tokens"] += sum(len(p) + len(c) for p, c in pairs)
-            metrics.update(self.rollouts.task.rewards.metrics(rollout.rewards_per_func),
+            metrics.update(parts.rewards.metrics(rollout.rewards_per_func),
                            reward_unscorable_fraction=rollout.unscorable_fraction())  # fmt: skip
             if self.adaptive:  # the pass rates of the groups with a scored completion
                 self.adaptive.update(metrics["invalid_group_rate"], [p for p in rollout.pass_rates() if p == p])
         metrics.update(batch["reward_logged"])  # reward_s (the scoring's share of rollout_generate_s), log_metric's
-        metrics.update(step=step, lr=self.scheduler.get_last_lr()[0], elapsed_s=time.perf_counter() - self.started,
+        metrics.update(step=step, lr=parts.scheduler.get_last_lr()[0], elapsed_s=time.perf_counter() - self.started,
                        group_size=g, prompts_sampled=sampled, resample_rounds=batch["rounds"],
                        completions_sampled=sampled * g, sampled_tokens=batch["tokens"],
                        num_tokens=self.totals["num_tokens"])  # fmt: skip
@@ -254,11 +235,11 @@ class _Run:
     def _evaluate_if_due(self, step: int) -> bool:
         """The held-out evaluation every task.eval_every steps and after the last; True when it reached
         task.target_success (training stops)."""
-        t, n = self.config.task, len(self.rollouts.eval_set)
+        t, n = self.config.task, len(self.parts.eval_set)
         if not t.eval_every or ((step + 1) % t.eval_every and step + 1 != self.config.optim.steps):
             return False
         start = time.perf_counter()
-        result = self.rollouts.evaluate()
+        result = self.parts.rollouts.evaluate()
         success, eval_s = result.success, time.perf_counter() - start
         self.held.seconds += eval_s
         self.files.evaluation({"step": step, "eval_success": success, "eval_success_se": standard_error(success, n),
@@ -276,12 +257,12 @@ class _Run:
         every = self.config.checkpoint.every
         if not every or ((step + 1) % every and step + 1 != self.config.optim.steps and not last):
             return
-        state = {"step": step + 1, **prompt_state, "scheduler": self.scheduler.state_dict(),
+        state = {"step": step + 1, **prompt_state, "scheduler": self.parts.scheduler.state_dict(),
                  "adaptive": self.adaptive.state_dict() if self.adaptive else None,
                  "eval_success_start": self.held.start.success, "eval_s_total": self.held.seconds,
                  "totals": dict(self.totals),
                  "elapsed_s": time.perf_counter() - self.started}  # fmt: skip
-        save_checkpoint(self.run_dir, step + 1, policy=self.policy, optimizer=self.optimizer,
+        save_checkpoint(self.run_dir, step + 1, policy=self.parts.policy, optimizer=self.parts.optimizer,
                         ref_policy=self.step_options["ref_policy"], trainer_state=state, d=self.d,
                         config=to_dict(self.config), keep=self.config.checkpoint.keep_last)  # fmt: skip
 
@@ -289,9 +270,9 @@ class _Run:
         """The final held-out evaluation (the loop's own when it ran after the last step: the weights have not
         changed since) and summary.json; then every rank waits for the others (train()'s stack closes the rest:
         a vLLM engine's shutdown ends the process group)."""
-        n, d, start = len(self.rollouts.eval_set), self.d, self.held.start.success
+        n, d, start = len(self.parts.eval_set), self.d, self.held.start.success
         latest_step, latest = self.held.latest
-        final_eval = latest if latest_step == steps - 1 else self.rollouts.evaluate().success
+        final_eval = latest if latest_step == steps - 1 else self.parts.rollouts.evaluate().success
         summary = {"eval_success_start": start, "eval_success_end": final_eval, "eval_prompts": n,
                    "eval_success_se_start": standard_error(start, n),
                    "eval_success_se_end": standard_error(final_eval, n), "steps": steps,

@@ -53,6 +53,7 @@ from pathlib import Path
 
 import torch
 
+from .converters import hf_state_dict
 from .rollout import Rollout
 from .sampler import splitmix64
 
@@ -132,7 +133,7 @@ def save_hf_model(model, directory) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(directory)
-    state = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    state = {name: t.detach().contiguous() for name, t in hf_state_dict(model).items()}  # (a converted model's too)
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # the checkpoint convention: one copy of a tied matrix
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})

@@ -27,6 +27,8 @@ from typing import ClassVar
 
 import torch
 
+from .converters import hf_named_weights
+
 __all__ = ["GLOO_BACKEND", "WeightSync", "bucket_plan", "register_vllm_plugin"]
 
 GLOO_BACKEND = "gloo"
@@ -271,7 +273,7 @@ class CastSource:
         self.model, self.wire_dtype, self.tied_head = model, wire_dtype, tied_head
 
     def _named(self):
-        named = list(self.model.named_parameters())
+        named = list(hf_named_weights(self.model, self.model.named_parameters()))  # (a converted model's HF names)
         if self.tied_head:  # vLLM keeps a tied head's old values unless lm_head.weight is loaded too
             named.append(("lm_head.weight", self.model.get_output_embeddings().weight))
         return named
@@ -338,7 +340,7 @@ class WeightSync:
         register_vllm_plugin()
         self.model, self.rank, self.backend = model, rank, backend
         optional = {"lm_head.weight"} if "lm_head.weight" not in names else set()
-        given = {name for name, _ in model.named_parameters()}
+        given = {name for name, _ in hf_named_weights(model, model.named_parameters())}
         missing, unexpected = sorted(names - given), sorted(given - names - optional)
         if missing or unexpected:
             raise ValueError(f"the trainer's parameters do not match the servers' checkpoint: missing {missing[:5]}, "

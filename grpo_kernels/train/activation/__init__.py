@@ -14,6 +14,7 @@ Apply before sharding; the module tree, parameter names and state dict are uncha
 
 import torch
 
+from ..converters import converters_of
 from ..fsdp import SINGLE, Dist, all_gather_objects
 from .auto import AUTO_ORDER, activation_budget, activation_bytes, choose_checkpointing
 from .modes import CHECKPOINT_MODES, checkpoint_blocks
@@ -24,7 +25,11 @@ __all__ = ["AUTO_ORDER", "CHECKPOINT_MODES", "activation_budget", "activation_by
 
 
 def decoder_blocks(model) -> torch.nn.ModuleList:
-    """The decoder blocks of an HF causal LM (model.base_model.layers); a ValueError naming the model without."""
+    """The decoder blocks of an HF causal LM (model.base_model.layers), or those the model's last converter that
+    knows them gives (its `decoder_blocks(model)`); a ValueError naming the model without."""
+    for converter in reversed(converters_of(model)):
+        if hasattr(converter, "decoder_blocks"):
+            return converter.decoder_blocks(model)
     layers = getattr(model.base_model, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         raise ValueError(f"cannot shard {type(model).__name__}: no decoder block list at model.base_model.layers")

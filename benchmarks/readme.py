@@ -263,7 +263,7 @@ def learning_check_section(results: Path) -> list:
         return []
     body = md.read_text().strip().splitlines()[1:]  # the report without its title
     return ["**The CI learning check, calibrated** (`tests/learning_check.py`; rows in "
-            "`benchmarks/results/learning_check/calibration.csv`).", *body, ""]
+            "`benchmarks/results/learning_check/calibration.csv`).", *body, ""]  # fmt: skip
 
 
 def profile_section(results: Path) -> list:
@@ -331,8 +331,8 @@ def render(results: Path = RESULTS) -> str:
         lines += group_size_section(results / "group_size_study" / "runs.csv")
     lines += study_section(results)
     lines += learning_vs_trl_section(results)
-    lines += learning_vs_trl_section(results, "learning_vs_trl_format_weight0",
-                                     "the same run without the bare-integer bonus (task.format_weight = 0)")
+    without_bonus = "the same run without the bare-integer bonus (task.format_weight = 0)"
+    lines += learning_vs_trl_section(results, "learning_vs_trl_format_weight0", without_bonus)
     lines += learning_check_section(results)
     lines += profile_section(results)
     lines += gpu_section(sorted(p for p in results.glob("gpu_check_*.csv") if "dry-run" not in p.name))

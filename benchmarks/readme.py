@@ -9,6 +9,8 @@
 - e2e_cpu.csv (benchmarks/trainer/e2e_vs_trl.py): the rows of its latest run; e2e_<model>_cpu.csv (--model): the same.
 - group_size_study/runs.csv (grpo-kernels group-size-study), plus the theory figures computed here.
 - gpu_check_<device>.csv (benchmarks/gpu/check.py on a GPU), when one exists.
+- learning_vs_trl*/summary.md and the learning studies' reports; learning_vs_trl_round3's primary comparison is
+  computed here from the run files by benchmarks/learning/round3.py (the pooled seeds of endpoints.md).
 Every number in the section comes from these files; the prose around the tables states no measured number.
 A table whose rows are missing from the results is an error, not an empty table.
 """
@@ -21,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # importable from a plain checkout too
 
 from benchmarks.common import NOT_BASELINES, read_csv
+from benchmarks.learning import round3
 from grpo_kernels.theory import invalid_group_rate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -256,6 +259,23 @@ def learning_vs_trl_section(results: Path, name: str = "learning_vs_trl",
     return lines
 
 
+def learning_round3_section(results: Path) -> list:
+    """Round 3 of learning vs TRL: the primary comparison its endpoints.md fixed, computed from the run files by
+    benchmarks/learning/round3.py (interim, with the seeds still missing, until each arm has all its seeds)."""
+    if not (results / round3.STUDY / "endpoints.md").exists():
+        return []
+    pool = round3.pooled(results)
+    lines = [f"**Learning vs TRL, round 3: held-out success after step {round3.STEPS}, ours - TRL "
+             f"({round3.state(pool)})** (`python -m benchmarks.learning.round3`; the endpoint, fixed before the new "
+             f"seeds ran, in `benchmarks/results/{round3.STUDY}/endpoints.md`; round 1's step-4 runs pooled with the "
+             "new seeds).", ""]  # fmt: skip
+    if not pool.complete:
+        lines += ["Interim, not the endpoint. Missing seeds: "
+                  + "; ".join(f"{round3.ARMS[t]} {round3.spans(pool.missing(t))}" for t in round3.ARMS) + ".",
+                  ""]  # fmt: skip
+    return lines + round3.findings(round3.primary(pool.values), not pool.complete) + [""]  # fmt: skip
+
+
 def learning_check_section(results: Path) -> list:
     """The CI learning check's calibration (tests/learning_check.py): its report, under the page's own heading."""
     md = results / "learning_check" / "calibration.md"
@@ -263,7 +283,7 @@ def learning_check_section(results: Path) -> list:
         return []
     body = md.read_text().strip().splitlines()[1:]  # the report without its title
     return ["**The CI learning check, calibrated** (`tests/learning_check.py`; rows in "
-            "`benchmarks/results/learning_check/calibration.csv`).", *body, ""]
+            "`benchmarks/results/learning_check/calibration.csv`).", *body, ""]  # fmt: skip
 
 
 def profile_section(results: Path) -> list:
@@ -331,8 +351,9 @@ def render(results: Path = RESULTS) -> str:
         lines += group_size_section(results / "group_size_study" / "runs.csv")
     lines += study_section(results)
     lines += learning_vs_trl_section(results)
-    lines += learning_vs_trl_section(results, "learning_vs_trl_format_weight0",
-                                     "the same run without the bare-integer bonus (task.format_weight = 0)")
+    lines += learning_round3_section(results)
+    without_bonus = "the same run without the bare-integer bonus (task.format_weight = 0)"
+    lines += learning_vs_trl_section(results, "learning_vs_trl_format_weight0", without_bonus)
     lines += learning_check_section(results)
     lines += profile_section(results)
     lines += gpu_section(sorted(p for p in results.glob("gpu_check_*.csv") if "dry-run" not in p.name))

@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from .attention_sdpa import _assemble, _attend, _Cuts, _sdpa_by_length, _shared_prefix_attention, _window_size
+from .attention_sdpa import Cuts, assemble, attend, sdpa_by_length, sdpa_window, shared_prefix_attention
 
 __all__ = ["HF_ATTENTION_NAME", "check_packed_attention", "check_packed_config", "register_hf_attention",
            "varlen_attention"]
@@ -139,17 +139,17 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, causal=True, scale=None
         raise ValueError(f"backend {backend!r} cannot honour {missing} (installed versions): use backend='math'")
     opts = dict(causal=causal, scale=scale, window=window, sinks=sinks, softcap=softcap)
     if prefix_groups is not None:
-        return _shared_prefix_attention(q, k, v, prefix_groups, math=backend == "math", **opts)
+        return shared_prefix_attention(q, k, v, prefix_groups, math=backend == "math", **opts)
     if backend == "flash_attn":
         cu = cu_seqlens.to(torch.int32)
-        extra = {"window_size": _window_size(window, causal)} if window is not None else {}
+        extra = {"window_size": sdpa_window(window, causal)} if window is not None else {}
         if softcap is not None:
             extra["softcap"] = softcap
         return _flash_attn()(q, k, v, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale, causal=causal, **extra)
     if backend == "torch_varlen":
         fn = _torch_varlen()
         cu = cu_seqlens.to(torch.int32)
-        extra = {"is_causal": causal} if not _torch_varlen_window() else {"window_size": _window_size(window, causal)}
+        extra = {"is_causal": causal} if not _torch_varlen_window() else {"window_size": sdpa_window(window, causal)}
         if q.shape[1] != k.shape[1]:
             if "enable_gqa" in inspect.signature(fn).parameters:
                 extra["enable_gqa"] = True
@@ -158,15 +158,15 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, causal=True, scale=None
         return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, **extra)
     pieces = []
     bounds = cu_seqlens.tolist()
-    cut = _Cuts((q, k, v), bounds)
+    cut = Cuts((q, k, v), bounds)
     spans = [(s, e) for s, e in zip(bounds[:-1], bounds[1:], strict=True) if e > s]
     if backend == "sdpa" and not features:  # plain attention: SDPA once per sequence length, not per sequence
-        outs = _sdpa_by_length([cut(s, e) for s, e in spans], scale, causal=causal)
-        return _assemble([(s, out) for (s, _), out in zip(spans, outs, strict=True)], q)
+        outs = sdpa_by_length([cut(s, e) for s, e in spans], scale, causal=causal)
+        return assemble([(s, out) for (s, _), out in zip(spans, outs, strict=True)], q)
     for s, e in spans:
         pos = torch.arange(e - s, device=q.device)
-        pieces.append((s, _attend(*cut(s, e), pos, pos, math=backend == "math", **opts)))
-    return _assemble(pieces, q)
+        pieces.append((s, attend(*cut(s, e), pos, pos, math=backend == "math", **opts)))
+    return assemble(pieces, q)
 
 
 def _cu_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:

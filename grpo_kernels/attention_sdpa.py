@@ -6,7 +6,7 @@ for plain attention), the math path (sinks, soft-capping, windows as an explicit
 import torch
 
 
-class _Cuts:
+class Cuts:
     """`x[s:e]` of each tensor for ranges whose ends are among `points`, from one split per tensor: a slice per
     range would cost a zero-filled [T, H, D] gradient per slice in the backward (per sequence, per layer: most of
     a CPU step at 64 sequences), a split's backward is one cat."""
@@ -28,7 +28,7 @@ class _Cuts:
         return tuple(parts[i] if j == i + 1 else torch.cat(parts[i:j]) for parts in self.parts)
 
 
-def _assemble(pieces, q):
+def assemble(pieces, q):
     """The [T, H, D] output from (start, rows) pieces: one cat in token order, zeros where no piece is (an
     `out[s:e] = rows` per piece would cost a zero-filled [T, H, D] gradient per piece in the backward)."""
     parts, at = [], 0
@@ -42,14 +42,14 @@ def _assemble(pieces, q):
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def _window_size(window, causal):
+def sdpa_window(window, causal):
     """flash-attn's (left, right) window for `window`; (-1, -1) is unlimited."""
     if window is None:
         return (-1, 0) if causal else (-1, -1)
     return (window - 1, 0) if causal else (window, window)
 
 
-def _attend(q, k, v, q_pos, k_pos, *, causal, scale, window, sinks, softcap, math=False):
+def attend(q, k, v, q_pos, k_pos, *, causal, scale, window, sinks, softcap, math=False):
     """Attention of q over k/v ([L, H, D]) given the positions of each query and key in their sequence."""
     plain_causal = causal and window is None and q_pos is k_pos
     mask = None
@@ -72,7 +72,7 @@ def _sdpa(q, k, v, scale, *, causal=False, mask=None):
     return out[0].transpose(0, 1)
 
 
-def _sdpa_by_length(calls, scale, *, causal):
+def sdpa_by_length(calls, scale, *, causal):
     """SDPA of each (q, k, v) of calls ([L, H, D] each, q and k of one length), returned in order: the calls of one
     length stacked into one batched SDPA. A packed GRPO batch holds many sequences of few distinct lengths (a group's
     prompt is one length, short completions few), and on CPU one SDPA per sequence cost more in per-call overhead
@@ -113,7 +113,7 @@ def _math(q, k, v, scale, *, causal, mask, sinks, softcap):
     return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
 
 
-def _shared_prefix_attention(q, k, v, prefix_groups, *, causal, math, **opts):
+def shared_prefix_attention(q, k, v, prefix_groups, *, causal, math, **opts):
     """Per segment: the prompt causally, each completion over [prompt; itself]. Plain causal attention (no window,
     sinks or soft-cap, not "math") runs every completion as one causal call over [prompt; completion] with the
     prompt's queries in front: no mask is built, the prompt's rows of the first call are the prompt's own output
@@ -121,7 +121,7 @@ def _shared_prefix_attention(q, k, v, prefix_groups, *, causal, math, **opts):
     the completion's L (P + L / 2)) are dropped."""
     plain = not math and all(opts[name] is None for name in ("window", "sinks", "softcap"))
     pieces = []
-    cut = _Cuts((q, k, v), [x for p0, p1, cs in prefix_groups for x in (p0, p1, *(b for c in cs for b in c))])
+    cut = Cuts((q, k, v), [x for p0, p1, cs in prefix_groups for x in (p0, p1, *(b for c in cs for b in c))])
     if plain:  # every completion's call, batched by length
         calls, owners = [], []
         for g, (p0, p1, completions) in enumerate(prefix_groups):
@@ -132,7 +132,7 @@ def _shared_prefix_attention(q, k, v, prefix_groups, *, causal, math, **opts):
                     calls.append((torch.cat([pq, cq]), torch.cat([pk, ck]), torch.cat([pv, cv])))
                     owners.append((g, s))
         done = set()
-        for (g, s), both in zip(owners, _sdpa_by_length(calls, opts["scale"], causal=True), strict=True):
+        for (g, s), both in zip(owners, sdpa_by_length(calls, opts["scale"], causal=True), strict=True):
             p0, p1, _ = prefix_groups[g]
             if g not in done:  # the prompt's rows of its first completion's call are the prompt's own output
                 done.add(g)
@@ -150,10 +150,10 @@ def _shared_prefix_attention(q, k, v, prefix_groups, *, causal, math, **opts):
             cq, ck, cv = cut(s, e)
             kk, vv = torch.cat([pk, ck]), torch.cat([pv, cv])
             own_pos = torch.arange(p1 - p0, p1 - p0 + e - s, device=q.device)
-            pieces.append((s, _attend(cq, kk, vv, own_pos, torch.cat([prompt_pos, own_pos]), causal=True,
+            pieces.append((s, attend(cq, kk, vv, own_pos, torch.cat([prompt_pos, own_pos]), causal=True,
                                       math=math, **opts)))  # fmt: skip
         if prompt_out is None and p1 > p0:
-            prompt_out = _attend(pq, pk, pv, prompt_pos, prompt_pos, causal=True, math=math, **opts)
+            prompt_out = attend(pq, pk, pv, prompt_pos, prompt_pos, causal=True, math=math, **opts)
         if prompt_out is not None:
             pieces.append((p0, prompt_out))
-    return _assemble(pieces, q)
+    return assemble(pieces, q)

@@ -188,3 +188,21 @@ def test_the_private_name_finder_finds_each_kind(tmp_path):
                     "from grpo_kernels.train.trainer import _run, train\ntrainer._progress(1)\ntrain.__doc__\n")
     assert private_reaches(path) == ["b.py:1 import grpo_kernels._C", "b.py:3 from grpo_kernels.train.trainer import "
                                      "_run", "b.py:4 trainer._progress"]  # fmt: skip
+
+
+def private_imports(root: Path) -> list[str]:
+    """`from <a grpo_kernels module> import _name` lines under root: a private name used by another file (the compiled
+    extension, the module `_C`, is the one private name other files import)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("grpo_kernels")):
+                found += [f"{path.relative_to(root)}:{node.lineno} {a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__") and a.name != "_C"]  # fmt: skip
+    return found
+
+
+def test_no_private_name_is_imported_from_another_file(tmp_path):
+    assert private_imports(ROOT / "grpo_kernels") == []
+    (tmp_path / "a.py").write_text("from .b import _helper, shared\nfrom . import _C\n")
+    assert [line.split(" ")[1] for line in private_imports(tmp_path)] == ["_helper"]

@@ -291,12 +291,12 @@ def test_help_config_lists_every_option_with_its_type_default_and_docstring(caps
     """`grpo-kernels train --help-config [SECTION]`: every field of every section, documented (a field without a
     docstring fails here), LossConfig's from LossOptions; an unknown section is one error line."""
     from grpo_kernels.cli import main
-    from grpo_kernels.train.config import _sections
+    from grpo_kernels.train.config import section_classes
     from grpo_kernels.train.config_io import field_docs
 
     main(["train", "--help-config"])
     text = capsys.readouterr().out
-    for name, cls in _sections().items():
+    for name, cls in section_classes().items():
         docs = field_docs(cls)
         for f in fields(cls):
             assert docs.get(f.name), f"{name}.{f.name} has no docstring"

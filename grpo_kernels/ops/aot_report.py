@@ -161,7 +161,7 @@ def _loss_variants() -> list[KernelVariant]:
         }  # fmt: skip
         flags = {"HAS_OLD": has_old, "HAS_SAMPLER": has_sampler, "HAS_MASK": has_mask, "VESPO": vespo}
         label = f"{dtype},old={has_old},sampler={has_sampler},mask={has_mask},vespo={vespo}"
-        variants.append(KernelVariant(kernel=loss._grpo_seq_stats_kernel, label=label, signature=sig,
+        variants.append(KernelVariant(kernel=loss.grpo_seq_stats_kernel, label=label, signature=sig,
                                       constexprs={**flags, **tiles}, num_warps=loss.NUM_WARPS))  # fmt: skip
     # The registered op's variants (sequence level, vespo, CHUNK = 4 blocks), then the fused token-level ones of
     # ops/loss_fused (FINISH: the last program's reduction; inputs in their own dtypes; padded rows or cu_seqlens).
@@ -196,7 +196,7 @@ def _loss_variants() -> list[KernelVariant]:
                  "PADDED": finish == "padded", "FINISH": bool(finish)}  # fmt: skip
         label = f"{dtype},{family},{'sequence' if seq else 'token'},old={old},kl={kl},sampler={sampler}"
         label += f",fused {finish}, mask {mask}" if finish else ""
-        variants.append(KernelVariant(kernel=loss._grpo_loss_fwd_kernel, label=label, signature=sig,
+        variants.append(KernelVariant(kernel=loss.grpo_loss_fwd_kernel, label=label, signature=sig,
                                       constexprs={**flags, **(fused_tiles if finish else tiles)},
                                       num_warps=loss.NUM_WARPS))  # fmt: skip
     for dtype, seq, mask, fused in [("fp32", True, True, False), ("bf16", False, False, False),
@@ -208,7 +208,7 @@ def _loss_variants() -> list[KernelVariant]:
         }  # fmt: skip
         consts = {"SEQ_LEVEL": seq, "HAS_MASK": mask, "HAS_G": bool(fused), "PADDED": fused == "padded",
                   **(fused_tiles if fused else tiles)}  # fmt: skip
-        variants.append(KernelVariant(kernel=loss._grpo_loss_bwd_kernel,
+        variants.append(KernelVariant(kernel=loss.grpo_loss_bwd_kernel,
                                       label=f"{dtype},seq={seq},mask={mask}" + (f",fused {fused}" if fused else ""),
                                       signature=sig, constexprs=consts, num_warps=loss.NUM_WARPS))  # fmt: skip
     return variants

@@ -46,7 +46,7 @@ import triton
 from .. import _C
 from ..options import LOSS_FAMILIES, SAMPLER_MODES, KernelScalars, LossOptions
 from ._triton import require_triton_device
-from .loss_kernels import NUM_SEQ_SUMS, _grpo_loss_bwd_kernel, _grpo_loss_fwd_kernel, _grpo_seq_stats_kernel
+from .loss_kernels import NUM_SEQ_SUMS, grpo_loss_bwd_kernel, grpo_loss_fwd_kernel, grpo_seq_stats_kernel
 
 __all__ = ["LOSS_FAMILIES", "NUM_STATS", "SAMPLER_MODES", "STATS", "finish", "flat_input", "grpo_loss_fwd"]
 
@@ -95,7 +95,7 @@ def grpo_loss_fwd_triton(
     vespo_lambda_neg,
 ):  # fmt: skip
     """Flat [T] inputs -> (stats [B, NUM_STATS] f64, coef [T] f32). See the module docstring."""
-    require_triton_device(_grpo_loss_fwd_kernel, logps)
+    require_triton_device(grpo_loss_fwd_kernel, logps)
     dev, f32 = logps.device, torch.float32
     b, t = cu_seqlens.shape[0] - 1, logps.shape[0]
     chunks = _num_chunks(max_seqlen)
@@ -110,7 +110,7 @@ def grpo_loss_fwd_triton(
     if seq_level or seq_sampler or vespo:
         part = torch.empty(b, chunks, NUM_SEQ_SUMS, dtype=f32, device=dev)
         if b:
-            _grpo_seq_stats_kernel[grid](
+            grpo_seq_stats_kernel[grid](
                 logps, dummy if old is None else old, dummy if sampler is None else sampler,
                 dummy if mask is None else mask, cu_seqlens, part, chunks, sampler_cap, int(sampler_mode in (0, 2)),
                 **flags, VESPO=vespo, BLOCK=BLOCK, CHUNK=CHUNK, num_warps=NUM_WARPS,
@@ -126,7 +126,7 @@ def grpo_loss_fwd_triton(
     coef = torch.empty(t, dtype=f32, device=dev)
     part = torch.empty(b, chunks, NUM_KERNEL_STATS, dtype=torch.float64, device=dev)
     if b:
-        _grpo_loss_fwd_kernel[grid](
+        grpo_loss_fwd_kernel[grid](
             logps, dummy if old is None else old, dummy if ref is None else ref, dummy if sampler is None else sampler,
             adv, dummy if mask is None else mask, cu_seqlens, seq_logw, seq_is, seq_phi, coef, part, chunks,
             eps_low, eps_high, delta, beta, int(bias_kl), sampler_cap, int(sampler_mode in (0, 2)),
@@ -140,12 +140,12 @@ def grpo_loss_fwd_triton(
 
 def grpo_loss_bwd_triton(a, b_coef, coef, mask, cu_seqlens, max_seqlen, seq_level, out_dtype):
     """d loss / d logps [T] in out_dtype from the per-sequence a_s, b_s (see the module docstring)."""
-    require_triton_device(_grpo_loss_bwd_kernel, coef)
+    require_triton_device(grpo_loss_bwd_kernel, coef)
     b = cu_seqlens.shape[0] - 1
     grad = torch.empty(coef.shape[0], dtype=out_dtype, device=coef.device)
     chunks = _num_chunks(max_seqlen)
     if b:
-        _grpo_loss_bwd_kernel[(b * chunks,)](
+        grpo_loss_bwd_kernel[(b * chunks,)](
             a, b_coef, coef, coef if mask is None else mask, cu_seqlens, grad, chunks, 1, a, 0,
             SEQ_LEVEL=seq_level, HAS_MASK=mask is not None, HAS_G=False, PADDED=False, BLOCK=BLOCK, CHUNK=CHUNK,
             num_warps=NUM_WARPS,

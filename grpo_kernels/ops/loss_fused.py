@@ -27,7 +27,7 @@ import triton
 from ..options import LossOptions
 from ._triton import require_triton_device, stream_counters
 from .loss import NUM_KERNEL_STATS, NUM_WARPS
-from .loss_kernels import _grpo_loss_bwd_kernel, _grpo_loss_fwd_kernel
+from .loss_kernels import grpo_loss_bwd_kernel, grpo_loss_fwd_kernel
 
 __all__ = ["FusedTokenLoss", "divisor_of", "flat", "metric_picks", "token_loss"]
 
@@ -82,7 +82,7 @@ def token_loss(logps, old, ref, sampler, adv, adv_per_token, mask, cu_seqlens, b
     """Flat [T] inputs of b sequences (any float dtypes; mask any dtype; cu_seqlens None for padded input, then
     max_seqlen is the row length) -> (loss 0-d f32, metrics [6] f32, coef [T] f32, scale f32 [b] or [1]). One
     launch."""
-    require_triton_device(_grpo_loss_fwd_kernel, logps)
+    require_triton_device(grpo_loss_fwd_kernel, logps)
     dev = logps.device
     padded = cu_seqlens is None
     chunks = max(triton.cdiv(max_seqlen, CHUNK), 1)
@@ -92,7 +92,7 @@ def token_loss(logps, old, ref, sampler, adv, adv_per_token, mask, cu_seqlens, b
     loss = torch.empty((), dtype=torch.float32, device=dev)
     metrics = torch.empty(6, dtype=torch.float32, device=dev)
     scale = torch.empty(b if div_kind == 0 else 1, dtype=torch.float32, device=dev)
-    _grpo_loss_fwd_kernel[(b * chunks,)](
+    grpo_loss_fwd_kernel[(b * chunks,)](
         logps, logps if old is None else old, logps if ref is None else ref, logps if sampler is None else sampler,
         adv, logps if mask is None else mask, logps if padded else cu_seqlens, logps, logps, logps, coef, part, chunks,
         scalars.eps_low, scalars.eps_high, scalars.delta, scalars.beta, int(scalars.bias_kl), scalars.sampler_cap,
@@ -111,7 +111,7 @@ def token_loss_bwd(g, coef, scale, cu_seqlens, max_seqlen, num_seqs, out_dtype):
     grad = torch.empty(coef.shape[0], dtype=out_dtype, device=coef.device)
     chunks = max(triton.cdiv(max_seqlen, CHUNK), 1)
     padded = cu_seqlens is None
-    _grpo_loss_bwd_kernel[(num_seqs * chunks,)](
+    grpo_loss_bwd_kernel[(num_seqs * chunks,)](
         scale, scale, coef, coef, coef if padded else cu_seqlens, grad, chunks, int(scale.shape[0] > 1), g,
         max_seqlen if padded else 0,
         SEQ_LEVEL=False, HAS_MASK=False, HAS_G=True, PADDED=padded, BLOCK=BLOCK, CHUNK=CHUNK, num_warps=NUM_WARPS,

@@ -52,7 +52,7 @@ def _sampler_weight(diff, cap, truncate):
 
 
 @triton.jit
-def _grpo_seq_stats_kernel(
+def grpo_seq_stats_kernel(
     logp_ptr, old_ptr, sampler_ptr, mask_ptr, cu_ptr, partial_ptr, num_chunks, sampler_cap, sampler_truncate,
     HAS_OLD: tl.constexpr, HAS_SAMPLER: tl.constexpr, HAS_MASK: tl.constexpr, VESPO: tl.constexpr,
     BLOCK: tl.constexpr, CHUNK: tl.constexpr,
@@ -155,7 +155,7 @@ def _finish_loss(
 
 
 @triton.jit
-def _grpo_loss_fwd_kernel(
+def grpo_loss_fwd_kernel(
     logp_ptr, old_ptr, ref_ptr, sampler_ptr, adv_ptr, mask_ptr, cu_ptr, seq_logw_ptr, seq_is_ptr, seq_phi_ptr,
     coef_ptr, partial_ptr, num_chunks,
     eps_low, eps_high, delta, beta, bias_kl, sampler_cap, sampler_truncate, sampler_per_seq, tau_pos, tau_neg,
@@ -324,7 +324,7 @@ def _grpo_loss_fwd_kernel(
 
 
 @triton.jit
-def _grpo_loss_bwd_kernel(
+def grpo_loss_bwd_kernel(
     a_ptr, b_ptr, coef_ptr, mask_ptr, cu_ptr, grad_ptr, num_chunks, a_stride, g_ptr, row_len,
     SEQ_LEVEL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_G: tl.constexpr, PADDED: tl.constexpr,
     BLOCK: tl.constexpr, CHUNK: tl.constexpr,

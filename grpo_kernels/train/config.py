@@ -41,7 +41,7 @@ from typing import ClassVar
 
 from ..options import LossOptions
 from ..planner import ALGORITHMS
-from .config_fields import _check, _field_types, _typed, _validate
+from .config_fields import check, field_types, typed_value, validate
 from .config_run import REPORT_TO, CheckpointConfig, DistributedConfig, LoggingConfig, report_to_names
 from .config_sampling import SamplingConfig
 from .config_task import TaskConfig
@@ -106,7 +106,7 @@ class ModelConfig:
     default."""
 
     def __post_init__(self):
-        _validate(
+        validate(
             self, at_least={"hidden_size": 1, "num_layers": 1, "num_heads": 1, "num_kv_heads": 1, "head_dim": 32,
                             "mlp_tile_tokens": 0},
             choices={"dtype": ("auto", "float32", "bfloat16"), "attn_implementation": ("grpo_varlen", "sdpa", "eager"),
@@ -114,11 +114,11 @@ class ModelConfig:
         )  # fmt: skip
         gb = self.activation_memory_gb
         if gb is not None:
-            _check(self, "activation_memory_gb", 0 < gb < float("inf"), "a positive finite number of GiB or none")
-        _check(self, "name", self.name != "", "a non-empty string")
+            check(self, "activation_memory_gb", 0 < gb < float("inf"), "a positive finite number of GiB or none")
+        check(self, "name", self.name != "", "a non-empty string")
         for i, spec in enumerate(self.converters):
-            _check(self, "converters", spec.strip() != "", f"a list of names or 'module:factory' (entry {i} is empty)")
-        _check(self, "num_kv_heads", self.num_heads % self.num_kv_heads == 0, f"a divisor of {self.num_heads}")
+            check(self, "converters", spec.strip() != "", f"a list of names or 'module:factory' (entry {i} is empty)")
+        check(self, "num_kv_heads", self.num_heads % self.num_kv_heads == 0, f"a divisor of {self.num_heads}")
 
 
 class _LossSection:
@@ -128,7 +128,7 @@ class _LossSection:
     section: ClassVar[str] = "loss"
 
     def __post_init__(self):
-        _validate(self)
+        validate(self)
         try:
             self.options()
         except ValueError as exc:  # LossOptions' message starts with the option's name
@@ -140,12 +140,12 @@ class _LossSection:
 
     def kwargs(self) -> dict:
         """The keyword arguments of `grpo_kernels.grpo_loss` (and `fused_linear_grpo_loss`) for this config."""
-        return {name: getattr(self, name) for name in _field_types(LossConfig)}
+        return {name: getattr(self, name) for name in field_types(LossConfig)}
 
 
 # The fields are LossOptions' own (names, types, defaults; documented there): one source for both.
 LossConfig = make_dataclass(
-    "LossConfig", [(f.name, _field_types(LossOptions)[f.name], field(default=f.default)) for f in fields(LossOptions)],
+    "LossConfig", [(f.name, field_types(LossOptions)[f.name], field(default=f.default)) for f in fields(LossOptions)],
     bases=(_LossSection,), kw_only=True, slots=True,
     namespace={"__doc__": "The options of `grpo_kernels.grpo_loss` that a run sets: the fields of "
                "`grpo_kernels.options.LossOptions` (same names, defaults and meaning, documented there), as a TOML "
@@ -176,13 +176,13 @@ class OptimConfig:
     """Training steps (each samples a new batch of completions)."""
 
     def __post_init__(self):
-        _validate(
+        validate(
             self, at_least={"weight_decay": 0, "warmup_steps": 0, "num_iterations": 1, "steps": 1},
             choices={"schedule": ("constant", "cosine")},
         )  # fmt: skip
-        _check(self, "lr", self.lr > 0, "> 0")
-        _check(self, "betas", all(0 <= b < 1 for b in self.betas), "two numbers in [0, 1)")
-        _check(self, "grad_clip", self.grad_clip is None or self.grad_clip > 0, "> 0 or none")
+        check(self, "lr", self.lr > 0, "> 0")
+        check(self, "betas", all(0 <= b < 1 for b in self.betas), "two numbers in [0, 1)")
+        check(self, "grad_clip", self.grad_clip is None or self.grad_clip > 0, "> 0 or none")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -197,7 +197,7 @@ class PackingConfig:
     """How samples are split into micro-batches: "karmarkar_karp" (best balance) or "greedy"."""
 
     def __post_init__(self):
-        _validate(self, at_least={"token_budget": 1}, choices={"algorithm": tuple(ALGORITHMS)})
+        validate(self, at_least={"token_budget": 1}, choices={"algorithm": tuple(ALGORITHMS)})
 
 
 @dataclass(kw_only=True, slots=True)
@@ -218,8 +218,8 @@ class GroupSizeConfig:
     """Resampling rounds per step with dynamic_sampling (0 = none)."""
 
     def __post_init__(self):
-        _validate(self, at_least={"max_group_size": 2, "window": 1, "max_resample_rounds": 0})
-        _check(self, "invalid_rate_threshold", 0 < self.invalid_rate_threshold < 1, "in (0, 1)")
+        validate(self, at_least={"max_group_size": 2, "window": 1, "max_resample_rounds": 0})
+        check(self, "invalid_rate_threshold", 0 < self.invalid_rate_threshold < 1, "in (0, 1)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -250,10 +250,10 @@ class TrainConfig:
     """Checkpoints and resuming."""
 
     def __post_init__(self):
-        self.seed = _typed("seed", int, self.seed)
+        self.seed = typed_value("seed", int, self.seed)
         if not -(2**63) <= self.seed < 2**63:  # torch.manual_seed and the samplers' seed hashes take 64-bit seeds
             raise ValueError(f"seed must be in [-2**63, 2**63), got {self.seed}")
-        for name, cls in _sections().items():
+        for name, cls in section_classes().items():
             if not isinstance(getattr(self, name), cls):
                 raise ValueError(f"{name} must be a {cls.__name__}, got {getattr(self, name)!r}")
         g, gs = self.sampling.group_size, self.group_size
@@ -332,6 +332,6 @@ def for_device(config: "TrainConfig", device_type: str) -> "TrainConfig":
     return dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=dtype))
 
 
-def _sections() -> dict[str, type]:
+def section_classes() -> dict[str, type]:
     """{section name: dataclass} in TrainConfig's order."""
-    return {name: tp for name, tp in _field_types(TrainConfig).items() if name != "seed"}
+    return {name: tp for name, tp in field_types(TrainConfig).items() if name != "seed"}

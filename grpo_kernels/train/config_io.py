@@ -10,14 +10,14 @@ except ModuleNotFoundError:  # Python 3.10
 
 from dataclasses import MISSING, fields
 
-from .config import TrainConfig, _sections
-from .config_fields import _field_types, _parse
+from .config import TrainConfig, section_classes
+from .config_fields import field_types, parse_value
 from .config_task import resolve_spec
 
 
 def _lookup(section: str, name: str | None):
     """The annotation of `section.name` (name None: the top-level key `section`); ValueError listing valid names."""
-    sections = _sections()
+    sections = section_classes()
     if name is None:
         if section == "seed":
             return int
@@ -26,7 +26,7 @@ def _lookup(section: str, name: str | None):
         raise ValueError(f"unknown section or key {section!r}; valid sections: {', '.join(sections)}; top-level: seed")
     if section not in sections:
         raise ValueError(f"unknown section {section!r}; valid sections: {', '.join(sections)}")
-    types_ = _field_types(sections[section])
+    types_ = field_types(sections[section])
     if name not in types_:
         raise ValueError(f"unknown field {section}.{name}; valid fields of [{section}]: {', '.join(types_)}")
     return types_[name]
@@ -49,7 +49,7 @@ def _override_items(overrides) -> list[tuple[str, object]]:
     if isinstance(overrides, dict):
         items = []
         for key, value in overrides.items():
-            if key in _sections() and isinstance(value, dict):
+            if key in section_classes() and isinstance(value, dict):
                 items += [(f"{key}.{k}", v) for k, v in value.items()]
             else:
                 items.append((key, value))
@@ -66,7 +66,7 @@ def _override_items(overrides) -> list[tuple[str, object]]:
 def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> TrainConfig:
     """The defaults, updated by the TOML file at `path`, then by `overrides` (applied in order); validated."""
     top: dict = {}
-    values: dict = {name: {} for name in _sections()}
+    values: dict = {name: {} for name in section_classes()}
     if path is not None:
         for key, table in _read_toml(path).items():
             if key not in values:
@@ -82,9 +82,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
         section, dot, name = key.partition(".")
         tp = _lookup(section, name if dot else None)
         if isinstance(value, str):
-            value = _parse(key, tp, value)
+            value = parse_value(key, tp, value)
         (values[section] if dot else top)[name if dot else section] = _resolved(section, name, value, Path.cwd())
-    return TrainConfig(**top, **{name: cls(**values[name]) for name, cls in _sections().items()})
+    return TrainConfig(**top, **{name: cls(**values[name]) for name, cls in section_classes().items()})
 
 
 def _resolved(section: str, name: str, value, base: Path):
@@ -98,9 +98,9 @@ def _resolved(section: str, name: str, value, base: Path):
 def to_dict(config: TrainConfig) -> dict:
     """{"seed": ..., section: {field: value}} with every field (None included); tuples become lists."""
     out: dict = {"seed": config.seed}
-    for name in _sections():
+    for name in section_classes():
         section, table = getattr(config, name), {}
-        for key in _field_types(type(section)):
+        for key in field_types(type(section)):
             value = getattr(section, key)
             table[key] = list(value) if isinstance(value, tuple) else value
         out[name] = table
@@ -131,7 +131,7 @@ def save_config(config: TrainConfig, path: str | Path) -> None:
     data = to_dict(config)
     lines = [f"seed = {_toml_value(data.pop('seed'))}"]
     for name, table in data.items():
-        defaults = {f.name: _default(f) for f in fields(_sections()[name])}
+        defaults = {f.name: _default(f) for f in fields(section_classes()[name])}
         lines += ["", f"[{name}]"]
         for key, value in table.items():
             if value is None and defaults[key] is None:
@@ -166,9 +166,9 @@ def describe(section: str | None = None) -> str:
     `grpo-kernels train --help-config [SECTION]` prints. ValueError listing the sections for an unknown one."""
     import textwrap
 
-    from .config_fields import _describe
+    from .config_fields import describe_type
 
-    sections = _sections()
+    sections = section_classes()
     if section is not None and section not in sections:
         raise ValueError(f"unknown section {section!r}; valid sections: {', '.join(sections)}")
     out = ["--seed=<an int> (default: 0): the run's seed"] if section is None else []
@@ -177,9 +177,9 @@ def describe(section: str | None = None) -> str:
             continue
         docs, defaults = field_docs(cls), {f.name: _default(f) for f in fields(cls)}
         out.append(f"\n[{name}]")
-        for field_name, tp in _field_types(cls).items():
+        for field_name, tp in field_types(cls).items():
             default = "none" if defaults[field_name] is None else _toml_value(defaults[field_name])
-            out.append(f"  --{name}.{field_name}=<{_describe(tp)}> (default: {default})")
+            out.append(f"  --{name}.{field_name}=<{describe_type(tp)}> (default: {default})")
             doc = docs.get(field_name, "")
             out += textwrap.wrap(doc, width=116, initial_indent="      ", subsequent_indent="      ") if doc else []
     return "\n".join(out).lstrip("\n") + "\n"

@@ -4,7 +4,7 @@ fields' types, ranges and rules only; grpo_kernels.train.config gathers the sect
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .config_fields import _check, _validate
+from .config_fields import check, validate
 
 __all__ = ["REPORT_TO", "CheckpointConfig", "DistributedConfig", "LoggingConfig", "report_to_names"]
 
@@ -23,7 +23,7 @@ class DistributedConfig:
     update equal the unsharded run's."""
 
     def __post_init__(self):
-        _validate(self, at_least={"sequence_parallel": 1}, choices={"backend": ("auto", "gloo", "nccl")})
+        validate(self, at_least={"sequence_parallel": 1}, choices={"backend": ("auto", "gloo", "nccl")})
 
 
 REPORT_TO = ("tensorboard", "wandb", "trackio")  # each is also its package's and its extra's name
@@ -72,10 +72,10 @@ class LoggingConfig:
     truncated), to read what the policy says (0 = never)."""
 
     def __post_init__(self):
-        _validate(self, at_least={"log_every": 1, "completions_every": 0})
-        _check(self, "run_dir", self.run_dir != "", "a non-empty path")
+        validate(self, at_least={"log_every": 1, "completions_every": 0})
+        check(self, "run_dir", self.run_dir != "", "a non-empty path")
         self.report_to = report_to_names(self.report_to, self.tensorboard)
-        _check(self, "project", self.project.strip() != "", "a non-empty name")
+        check(self, "project", self.project.strip() != "", "a non-empty name")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -97,8 +97,8 @@ class CheckpointConfig:
     (grpo_kernels.train.checkpoint.RUN_NEUTRAL_FIELDS). Used once (config.toml keeps false)."""
 
     def __post_init__(self):
-        _validate(self, at_least={"every": 0, "keep_last": 0})
-        _check(self, "resume", self.resume != "", "a run directory or none")
+        validate(self, at_least={"every": 0, "keep_last": 0})
+        check(self, "resume", self.resume != "", "a run directory or none")
         if self.resume_step is not None:
-            _check(self, "resume_step", self.resume_step >= 1, ">= 1")
-            _check(self, "resume_step", self.resume is not None, "none unless checkpoint.resume is set")
+            check(self, "resume_step", self.resume_step >= 1, ">= 1")
+            check(self, "resume_step", self.resume is not None, "none unless checkpoint.resume is set")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 from urllib.parse import urlparse
 
-from .config_fields import _check, _validate
+from .config_fields import check, validate
 
 __all__ = ["MIN_TEMPERATURE", "SamplingConfig"]
 
@@ -93,7 +93,7 @@ class SamplingConfig:
     metric weight_sync_logp_max_diff)."""
 
     def __post_init__(self):
-        _validate(
+        validate(
             self,
             at_least={"group_size": 2, "prompts_per_step": 1, "max_new_tokens": 1, "hf_max_batch_rows": 1,
                       "max_step_tokens": 1, "max_staleness": 0, "servers": 1, "server_tensor_parallel_size": 1,
@@ -101,16 +101,16 @@ class SamplingConfig:
             choices={"sampler": ("hf", "vllm"), "placement": ("colocated", "decoupled"),
                      "weight_transfer": ("auto", "gloo", "nccl")},
         )  # fmt: skip
-        _check(self, "temperature", self.temperature >= MIN_TEMPERATURE,
+        check(self, "temperature", self.temperature >= MIN_TEMPERATURE,
                f">= {MIN_TEMPERATURE:g} (below, logits / T leave the range where log-probs and their ratios are "
                "meaningful in float32; GRPO needs sampling, not greedy decoding)")  # fmt: skip
-        _check(self, "top_p", 0 < self.top_p <= 1, "in (0, 1]")
+        check(self, "top_p", 0 < self.top_p <= 1, "in (0, 1]")
         if self.max_model_len is not None and self.max_model_len <= self.max_new_tokens:
             raise ValueError(f"sampling.max_model_len ({self.max_model_len}) must exceed sampling.max_new_tokens "
                              f"({self.max_new_tokens}): it holds a prompt and a completion (or set it to none)")
-        _check(self, "vllm_gpu_memory_utilization", 0 < self.vllm_gpu_memory_utilization < 1, "in (0, 1)")
-        _check(self, "server_timeout_s", self.server_timeout_s > 0, "> 0")
-        _check(self, "server_start_timeout_s", self.server_start_timeout_s > 0, "> 0")
+        check(self, "vllm_gpu_memory_utilization", 0 < self.vllm_gpu_memory_utilization < 1, "in (0, 1)")
+        check(self, "server_timeout_s", self.server_timeout_s > 0, "> 0")
+        check(self, "server_start_timeout_s", self.server_start_timeout_s > 0, "> 0")
         decoupled = self.placement == "decoupled"
         if decoupled and self.sampler != "vllm":
             raise ValueError('sampling.placement "decoupled" needs sampling.sampler "vllm" (the servers are vLLM), '

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from .config_fields import _check, _validate
+from .config_fields import check, validate
 
 __all__ = ["TASK_NAMES", "TaskConfig", "is_file_spec", "resolve_spec"]
 
@@ -82,50 +82,50 @@ class TaskConfig:
     thread)."""
 
     def __post_init__(self):
-        _validate(
+        validate(
             self, at_least={"num_train_prompts": 1, "num_eval_prompts": 0, "sft_warmup_steps": 0, "eval_every": 0},
             choices={"name": TASK_NAMES, "reward": ("exact", "numeric", "math_verify"),
                      "chat_template": ("auto", "on", "off")},
         )  # fmt: skip
         if self.system_prompt is not None:
-            _check(self, "system_prompt", self.chat_template != "off", 'none when task.chat_template is "off"')
-        _check(self, "difficulty", 1 <= self.difficulty <= 10, "in 1..10")
+            check(self, "system_prompt", self.chat_template != "off", 'none when task.chat_template is "off"')
+        check(self, "difficulty", 1 <= self.difficulty <= 10, "in 1..10")
         if self.format_weight is not None:
-            _check(self, "format_weight", self.name == "arith", 'none unless task.name is "arith" (the only task '
+            check(self, "format_weight", self.name == "arith", 'none unless task.name is "arith" (the only task '
                    "with a format bonus)")
-            _check(self, "format_weight", 0.0 <= self.format_weight <= 1.0, "in [0, 1] or none")
+            check(self, "format_weight", 0.0 <= self.format_weight <= 1.0, "in [0, 1] or none")
         if self.eval_every:
-            _check(self, "eval_every", self.num_eval_prompts > 0, "0 when task.num_eval_prompts is 0")
+            check(self, "eval_every", self.num_eval_prompts > 0, "0 when task.num_eval_prompts is 0")
         if self.target_success is not None:
-            _check(self, "target_success", 0.0 < self.target_success <= 1.0, "in (0, 1] or none")
-            _check(self, "target_success", self.eval_every > 0, "none when task.eval_every is 0 (it is checked at "
+            check(self, "target_success", 0.0 < self.target_success <= 1.0, "in (0, 1] or none")
+            check(self, "target_success", self.eval_every > 0, "none when task.eval_every is 0 (it is checked at "
                    "the evaluations)")
-        _check(self, "seed", -(2**63) <= self.seed < 2**63, "in [-2**63, 2**63)")
+        check(self, "seed", -(2**63) <= self.seed < 2**63, "in [-2**63, 2**63)")
         if self.name == "dataset":
-            _check(self, "dataset", self.dataset not in (None, ""), 'a file, folder or dataset name when task.name '
+            check(self, "dataset", self.dataset not in (None, ""), 'a file, folder or dataset name when task.name '
                    'is "dataset"')  # fmt: skip
-            _check(self, "answer_column", self.answer_column is not None or len(self.reward_funcs) > 0,
+            check(self, "answer_column", self.answer_column is not None or len(self.reward_funcs) > 0,
                    "a column name unless task.reward_funcs score without one (task.reward compares with it)")
-            _check(self, "path", self.path is None, 'none for task.name "dataset" (the data is task.dataset)')
+            check(self, "path", self.path is None, 'none for task.name "dataset" (the data is task.dataset)')
             if self.sft_warmup_steps:
-                _check(self, "sft_warmup_steps", self.answer_column is not None, "0 unless task.answer_column "
+                check(self, "sft_warmup_steps", self.answer_column is not None, "0 unless task.answer_column "
                        "names the answers the warm start trains on")  # fmt: skip
         else:
-            _check(self, "dataset", self.dataset is None, 'none unless task.name is "dataset"')
+            check(self, "dataset", self.dataset is None, 'none unless task.name is "dataset"')
         if self.name == "jsonl":
-            _check(self, "path", self.path not in (None, ""), 'a JSONL file path when task.name is "jsonl"')
+            check(self, "path", self.path not in (None, ""), 'a JSONL file path when task.name is "jsonl"')
         elif self.name != "dataset":
-            _check(self, "path", self.path is None, f"none for the built-in task {self.name!r}")
-            _check(self, "reward", self.reward == "exact", f'"exact" for the built-in task {self.name!r}')
+            check(self, "path", self.path is None, f"none for the built-in task {self.name!r}")
+            check(self, "reward", self.reward == "exact", f'"exact" for the built-in task {self.name!r}')
         if self.reward_weights is not None:
-            _check(self, "reward_weights", len(self.reward_funcs) > 0, "none unless task.reward_funcs names the "
+            check(self, "reward_weights", len(self.reward_funcs) > 0, "none unless task.reward_funcs names the "
                    "functions they weigh")  # fmt: skip
-            _check(self, "reward_weights", len(self.reward_weights) == len(self.reward_funcs),
+            check(self, "reward_weights", len(self.reward_weights) == len(self.reward_funcs),
                    f"one weight per function of task.reward_funcs ({len(self.reward_funcs)})")
         for i, spec in enumerate(self.reward_funcs):
-            _check(self, "reward_funcs", spec.strip() != "", f"a list of specs (entry {i} is empty)")
+            check(self, "reward_funcs", spec.strip() != "", f"a list of specs (entry {i} is empty)")
         if self.reward_timeout_s is not None:
-            _check(self, "reward_timeout_s", self.reward_timeout_s > 0, "> 0 or none")
+            check(self, "reward_timeout_s", self.reward_timeout_s > 0, "> 0 or none")
 
 
 def is_file_spec(spec: str) -> bool:

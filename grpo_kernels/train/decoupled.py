@@ -38,7 +38,7 @@ from .rollout_server import RolloutServer, RolloutServerError, ServerClient, Ser
 from .sampling import HeldOut, collect, held_out
 from .step import completion_logprobs
 from .tasks import PromptStream
-from .vllm_sampler import _checkpoint_weight_names, save_hf_model
+from .vllm_sampler import checkpoint_weight_names, save_hf_model
 
 __all__ = ["Decoupled", "RolloutPipeline", "RolloutServerError"]
 
@@ -193,7 +193,7 @@ class Decoupled:
         from .weight_transfer import WeightSync
 
         s = self.config.sampling
-        names = all_gather_objects(_checkpoint_weight_names(self.model_dir) if self.d.is_main else None, self.d)[0]
+        names = all_gather_objects(checkpoint_weight_names(self.model_dir) if self.d.is_main else None, self.d)[0]
         address = s.weight_transfer_address or _default_address([c.url for c in self.clients])
         port = all_gather_objects(free_port() if self.d.is_main else None, self.d)[0]
         wire = torch.bfloat16 if self.config.model.dtype == "bfloat16" else torch.float32

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from .rollout import Rollout
-from .vllm_sampler import _ids, _request_seed, check_sampling, checked_prompts, truncated
+from .vllm_sampler import as_ids, check_sampling, checked_prompts, request_seed, truncated
 
 __all__ = ["RolloutServer", "RolloutServerError", "ServerClient", "ServerSampler", "TemperatureExtension", "free_port"]
 
@@ -287,7 +287,7 @@ class ServerSampler:
         prompts = checked_prompts(prompts, group_size, seeds)
         jobs = [(self.clients[k % len(self.clients)], p.tolist(),
                  self._params(n=group_size, top_p=self.top_p, max_tokens=self.max_new_tokens,
-                              stop_token_ids=self.stop_ids, logprobs=0, seed=_request_seed(int(seed))))
+                              stop_token_ids=self.stop_ids, logprobs=0, seed=request_seed(int(seed))))
                 for k, (p, seed) in enumerate(zip(prompts, seeds, strict=True))]  # fmt: skip
         outputs = self._run(jobs)
         out_prompts, out_completions, out_logps, out_truncated = [], [], [], []
@@ -305,7 +305,7 @@ class ServerSampler:
 
     def sequence_logprobs(self, prompt_ids, completion_ids, *, server: int = 0) -> torch.Tensor:
         """The log-prob of each token of a given completion under server `server` (at the sampling temperature)."""
-        prompt, completion = _ids(prompt_ids, "prompt"), torch.as_tensor(completion_ids, dtype=torch.long)
+        prompt, completion = as_ids(prompt_ids, "prompt"), torch.as_tensor(completion_ids, dtype=torch.long)
         if completion.numel() == 0:
             return torch.zeros(0)
         sequence = torch.cat([prompt, completion]).tolist()

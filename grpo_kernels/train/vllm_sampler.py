@@ -140,7 +140,7 @@ def save_hf_model(model, directory) -> Path:
     return directory
 
 
-def _checkpoint_weight_names(directory) -> set:
+def checkpoint_weight_names(directory) -> set:
     """Tensor names of the safetensors checkpoint in a directory (single file or sharded with an index)."""
     directory = Path(directory)
     index = directory / "model.safetensors.index.json"
@@ -175,7 +175,7 @@ class VLLMSampler:
         check_sampling(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
         self.eos_id, self.max_new_tokens, self.temperature, self.top_p = eos_id, max_new_tokens, temperature, top_p
         self.stop_ids = list(dict.fromkeys([eos_id, *(int(i) for i in stop_ids)]))
-        names = _checkpoint_weight_names(model_dir)
+        names = checkpoint_weight_names(model_dir)
         # Tied embeddings: no lm_head.weight in the checkpoint, though a model's state_dict() has one.
         self._weight_names = names
         self._tied = "lm_head.weight" not in names and "model.embed_tokens.weight" in names
@@ -231,7 +231,7 @@ class VLLMSampler:
         prompts = checked_prompts(prompts, group_size, seeds)
         common = dict(n=group_size, top_p=self.top_p, max_tokens=self.max_new_tokens, stop_token_ids=self.stop_ids,
                       logprobs=0)  # fmt: skip
-        params = [self._params(seed=_request_seed(int(seed)), **common) for seed in seeds]
+        params = [self._params(seed=request_seed(int(seed)), **common) for seed in seeds]
         outputs = self.llm.generate([{"prompt_token_ids": p.tolist()} for p in prompts], params, use_tqdm=False)
         out_prompts, out_completions, out_logps, out_truncated = [], [], [], []
         for prompt, output in zip(prompts, outputs, strict=True):
@@ -247,7 +247,7 @@ class VLLMSampler:
     @torch.no_grad()
     def sequence_logprobs(self, prompt_ids, completion_ids) -> torch.Tensor:
         """The sampler's log-prob of each token of a given completion (at the sampling temperature), float32."""
-        prompt, completion = _ids(prompt_ids, "prompt"), torch.as_tensor(completion_ids, dtype=torch.long)
+        prompt, completion = as_ids(prompt_ids, "prompt"), torch.as_tensor(completion_ids, dtype=torch.long)
         if completion.dim() != 1:
             raise ValueError(f"a completion must be a 1-D sequence of token ids, got shape {tuple(completion.shape)}")
         if completion.numel() == 0:
@@ -281,7 +281,7 @@ class VLLMSampler:
         self.llm.llm_engine.engine_core.shutdown()
 
 
-def _request_seed(seed: int) -> int:
+def request_seed(seed: int) -> int:
     """A 63-bit SplitMix64 hash of seed (vLLM seeds the n completions of a request with seed, seed + 1, ...)."""
     return splitmix64(seed + 0x9E3779B97F4A7C15)
 
@@ -313,10 +313,10 @@ def checked_prompts(prompts: list, group_size: int, seeds: list) -> list[torch.T
         raise ValueError(f"one seed per prompt: {len(prompts)} prompts, {len(seeds)} seeds")
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
-    return [_ids(p, "prompt") for p in prompts]
+    return [as_ids(p, "prompt") for p in prompts]
 
 
-def _ids(ids, what: str) -> torch.Tensor:
+def as_ids(ids, what: str) -> torch.Tensor:
     ids = torch.as_tensor(ids, dtype=torch.long)
     if ids.dim() != 1 or ids.numel() == 0:
         raise ValueError(f"a {what} must be a non-empty 1-D sequence of token ids, got shape {tuple(ids.shape)}")

@@ -1,7 +1,8 @@
 """Command line: `grpo-kernels demo` (also `python -m grpo_kernels.cli demo`, what `make demo` runs),
 `grpo-kernels train [--config FILE | --resume RUN_DIR] [--section.field=value ...]` (grpo_kernels.train.trainer) and
-`grpo-kernels prepare-model NAME [--out DIR]` (grpo_kernels.train.models) and `grpo-kernels serve-rollout MODEL_DIR`
-(a rollout server for `sampling.placement = "decoupled"` with `sampling.server_urls`).
+`grpo-kernels prepare-model NAME [--out DIR]` (grpo_kernels.train.model.known) and
+`grpo-kernels serve-rollout MODEL_DIR` (a rollout server for `sampling.placement = "decoupled"` with
+`sampling.server_urls`).
 
 The demo scores a simulated GRPO batch (prompts of varying difficulty, G completions each, a correctness
 reward and a format reward), computes the advantages with the compiled kernel, checks them against the
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--format-weight", type=float, default=0.1, help="weight of the format reward")
     d.add_argument("--seed", type=int, default=0)
     t = sub.add_parser("train", help="GRPO training (grpo_kernels.train); extra --section.field=value override")
-    t.add_argument("--config", help="a TOML file (see grpo_kernels/train/config.py)")
+    t.add_argument("--config", help="a TOML file (see grpo_kernels/train/config/__init__.py)")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint (its config.toml; "
                    "--checkpoint.resume_step=N resumes from step_N instead)")  # fmt: skip
     t.add_argument("--help-config", nargs="?", const="", metavar="SECTION",
@@ -100,10 +101,10 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"unrecognized arguments: {' '.join(overrides)}")
         demo(args)
     elif args.command == "train":
-        from .train.config_io import load_config
+        from .train.config.io import load_config
 
         if args.help_config is not None:
-            from .train.config_io import describe
+            from .train.config.io import describe
 
             try:
                 print(describe(args.help_config or None), end="")
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
                 config = load_config(args.config, overrides)
         except (ValueError, NotImplementedError) as exc:  # one clear line, non-zero exit, before the heavy imports
             raise SystemExit(f"grpo-kernels train: error: {exc}") from None
-        from .train.rollout_server import RolloutServerError
+        from .train.rollout.server import RolloutServerError
         from .train.trainer import train
 
         try:
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as exc:
             raise SystemExit(f"grpo-kernels serve-rollout: error: {exc}") from None
     elif args.command == "prepare-model":
-        from .train.models import prepare_model
+        from .train.model.known import prepare_model
 
         try:
             print(prepare_model(args.name, out=args.out))
@@ -157,7 +158,7 @@ def serve_rollout(args: argparse.Namespace) -> None:
     import os
     import shlex
 
-    from .train.rollout_server import RolloutServer
+    from .train.rollout.server import RolloutServer
 
     if (args.model is None) == (args.config is None):
         raise ValueError("give a model directory or --config (not both)")
@@ -169,8 +170,8 @@ def serve_rollout(args: argparse.Namespace) -> None:
     if args.config:
         from .train.build import load
         from .train.config import for_device
-        from .train.config_io import load_config
-        from .train.vllm_sampler import save_hf_model
+        from .train.config.io import load_config
+        from .train.model.hf import save_hf_model
 
         config = for_device(load_config(args.config), "cuda" if torch.cuda.is_available() else "cpu")
         model = load(config).model
@@ -191,7 +192,7 @@ def serve_rollout(args: argparse.Namespace) -> None:
 
 
 def _known_models() -> list:
-    from .train.models import KNOWN_MODELS
+    from .train.model.known import KNOWN_MODELS
 
     return list(KNOWN_MODELS)
 

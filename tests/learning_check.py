@@ -49,9 +49,10 @@ from unittest import mock
 
 import torch
 
-from grpo_kernels.train import build, rollout, step
+from grpo_kernels.train import build, step
 from grpo_kernels.train.build import load
-from grpo_kernels.train.config_io import load_config
+from grpo_kernels.train.config.io import load_config
+from grpo_kernels.train.rollout import batch as rollout
 from grpo_kernels.train.trainer import train
 
 SEEDS = (0, 1, 2, 3, 4, 5)

@@ -33,13 +33,14 @@ def rule_out_eos(model, eos_id: int) -> None:
 
 
 def main(work_dir: str) -> dict:
-    from grpo_kernels.train.tasks import CharTokenizer, tiny_model
+    from grpo_kernels.train.data.tasks import CharTokenizer, tiny_model
 
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
         return {"vllm_import_error": str(exc)}
-    from grpo_kernels.train.vllm_sampler import VLLMSampler, save_hf_model
+    from grpo_kernels.train.model.hf import save_hf_model
+    from grpo_kernels.train.rollout.vllm_sampler import VLLMSampler
 
     tok = CharTokenizer()
     model = tiny_model(tok.vocab_size, attn_implementation="sdpa", seed=0).eval()

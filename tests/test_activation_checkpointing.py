@@ -9,10 +9,10 @@ import torch
 import transformers
 
 from grpo_kernels.packing import pack_sequences
-from grpo_kernels.train.activation import checkpoint_blocks
-from grpo_kernels.train.config_io import load_config
-from grpo_kernels.train.step import Policy, _run
-from grpo_kernels.train.tasks import tiny_model
+from grpo_kernels.train.config.io import load_config
+from grpo_kernels.train.data.tasks import tiny_model
+from grpo_kernels.train.model.activation import checkpoint_blocks
+from grpo_kernels.train.model.policy import Policy, run_policy
 
 
 def _llama(seed=0):
@@ -43,8 +43,8 @@ def _loss_and_grads(model, packed, adv, old, autocast, **options):
     policy.zero_grad(set_to_none=True)
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
     with ctx:
-        loss, _ = _run(policy, packed, adv, temperature=0.9, cu_seqlens=packed.completion_cu_seqlens, old_logps=old,
-                       **options)  # fmt: skip
+        loss, _ = run_policy(policy, packed, adv, temperature=0.9, cu_seqlens=packed.completion_cu_seqlens,
+                             old_logps=old, **options)  # fmt: skip
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -151,8 +151,8 @@ def test_offloaded_checkpoints_give_the_same_loss_and_gradients_and_copy_only_th
     """"offload": each block's checkpointed input goes through the host-offload hooks (on CPU a copy) once per block
     in the forward and comes back once in the backward; loss and gradients equal "blocks" exactly, with the tiled MLP
     nested inside too; generation passes run plainly."""
-    import grpo_kernels.train.activation.modes as modes
-    from grpo_kernels.train.activation import tile_mlps
+    import grpo_kernels.train.model.activation.modes as modes
+    from grpo_kernels.train.model.activation import tile_mlps
 
     model = _llama()
     packed, adv, old = _batch(97, True)

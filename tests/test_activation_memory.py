@@ -9,8 +9,8 @@ import torch
 import transformers
 
 from grpo_kernels.cli import main
-from grpo_kernels.train.activation import activation_bytes, choose_checkpointing
-from grpo_kernels.train.config_io import load_config
+from grpo_kernels.train.config.io import load_config
+from grpo_kernels.train.model.activation import activation_bytes, choose_checkpointing
 
 SMOLLM2 = transformers.LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                                    num_attention_heads=9, num_key_value_heads=3, head_dim=64)  # fmt: skip
@@ -104,8 +104,8 @@ def test_a_run_logs_its_choice_and_refuses_a_budget_below_one_completion(tmp_pat
 
 
 def test_a_run_whose_budget_holds_a_few_blocks_checkpoints_only_the_first_ones(tmp_path, capsys, monkeypatch):
-    import grpo_kernels.train.activation as activation
-    from grpo_kernels.train.tasks import tiny_model
+    import grpo_kernels.train.model.activation as activation
+    from grpo_kernels.train.data.tasks import tiny_model
 
     tiny = tiny_model(97, num_layers=4).config  # the sizes that matter here do not depend on the vocabulary
 
@@ -123,7 +123,7 @@ def test_a_run_whose_budget_holds_a_few_blocks_checkpoints_only_the_first_ones(t
 
 
 def test_the_cpu_budget_is_shared_by_the_ranks_on_the_host(monkeypatch):
-    from grpo_kernels.train.activation import activation_budget
+    from grpo_kernels.train.model.activation import activation_budget
 
     model = torch.nn.Linear(10, 10)  # 110 parameters: 1,320 bytes of gradients and moments to come
     assert activation_budget(model, torch.device("cpu"), 2.0) == 2 * GIB
@@ -135,8 +135,8 @@ def test_the_cpu_budget_is_shared_by_the_ranks_on_the_host(monkeypatch):
 
 
 def test_apply_refuses_an_unknown_mode_naming_the_option_before_touching_the_model():
-    from grpo_kernels.train import activation
-    from grpo_kernels.train.tasks import tiny_model
+    from grpo_kernels.train.data.tasks import tiny_model
+    from grpo_kernels.train.model import activation
 
     model = tiny_model(97, num_layers=2)
     forwards = [block.forward for block in model.base_model.layers]

@@ -8,7 +8,7 @@ from helpers import assert_close
 
 import grpo_kernels as gk
 from grpo_kernels.packing import pack_sequences
-from grpo_kernels.train.config_io import load_config
+from grpo_kernels.train.config.io import load_config
 
 
 def packed_batch(lengths=(5, 1, 9, 4)):

@@ -327,7 +327,7 @@ def test_architectures_grpo_varlen_cannot_build_are_refused_from_the_config(conf
     import transformers
 
     from grpo_kernels.attention import check_packed_config
-    from grpo_kernels.train.hf_model import load_policy
+    from grpo_kernels.train.model.hf import load_policy
 
     cfg = eval(f"transformers.{config}")
     with pytest.raises(NotImplementedError, match=message):

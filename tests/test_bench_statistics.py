@@ -129,7 +129,7 @@ def test_draw_swap_statistics_pair_by_seed_and_permute(tmp_path):
 def test_seeded_draws_are_independent_across_rows_steps_and_positions(kind, monkeypatch):
     """The sampler's per-row seeded draws: two draws that share a group, a row across steps, or a row's successive
     tokens are independent (chi-square of their contingency table); a seeding that correlates them is rejected."""
-    import grpo_kernels.train.sampler as sampler
+    import grpo_kernels.train.rollout.hf_sampler as sampler
 
     logits = torch.randn(300, generator=torch.Generator().manual_seed(3)) * 2.0
     probs = torch.softmax(logits / 0.7, -1)
@@ -140,7 +140,7 @@ def test_seeded_draws_are_independent_across_rows_steps_and_positions(kind, monk
     if kind == "rows":
         monkeypatch.setattr(sampler, "row_seed", lambda seed, member: sampler.splitmix64(seed))
     elif kind == "steps":
-        import grpo_kernels.train.sampling as sampling
+        import grpo_kernels.train.rollout.sampling as sampling
 
         monkeypatch.setattr(sampling, "seed_for", lambda seed, step, rounds, k: sampler.splitmix64(seed * 1000 + k))
     else:

@@ -13,12 +13,13 @@ from torch.distributed.checkpoint import CheckpointException
 
 from grpo_kernels.cli import main
 from grpo_kernels.train import checkpoint as ckpt
-from grpo_kernels.train import colocated, trainer
+from grpo_kernels.train import trainer
 from grpo_kernels.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, verify_checkpoint
-from grpo_kernels.train.config_io import load_config
-from grpo_kernels.train.fsdp import SINGLE
-from grpo_kernels.train.step import Policy
-from grpo_kernels.train.tasks import CharTokenizer, tiny_model
+from grpo_kernels.train.config.io import load_config
+from grpo_kernels.train.data.tasks import CharTokenizer, tiny_model
+from grpo_kernels.train.model.fsdp import SINGLE
+from grpo_kernels.train.model.policy import Policy
+from grpo_kernels.train.rollout import colocated
 
 ARGS = ["--optim.steps=2", "--optim.lr=1e-2", "--sampling.group_size=8", "--sampling.prompts_per_step=2",
         "--sampling.max_new_tokens=4", "--task.name=add", "--task.sft_warmup_steps=40", "--task.num_eval_prompts=2",

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from grpo_kernels.train import preflight
-from grpo_kernels.train.config_io import load_config
+from grpo_kernels.train.config.io import load_config
 
 DECOUPLED = ["--sampling.placement=decoupled", "--sampling.sampler=vllm"]
 

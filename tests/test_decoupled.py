@@ -60,7 +60,7 @@ def _server_groups(run) -> list[int]:
 
 
 def _alive(group: int) -> bool:
-    from grpo_kernels.train.rollout_server import _group_alive
+    from grpo_kernels.train.rollout.server import _group_alive
 
     return _group_alive(group)
 
@@ -80,7 +80,7 @@ def _wait_for_line(proc, text, timeout):
 
 def _serve_by_hand(config, model_dir):
     """`grpo-kernels serve-rollout --config` on a free port, answering its health route; (process, url)."""
-    from grpo_kernels.train.rollout_server import RolloutServerError, ServerClient, free_port
+    from grpo_kernels.train.rollout.server import RolloutServerError, ServerClient, free_port
 
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "grpo_kernels.cli", "serve-rollout", "--config", str(config),

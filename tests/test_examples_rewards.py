@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from grpo_kernels.train.build import task_examples, task_rewards
-from grpo_kernels.train.config_io import load_config
+from grpo_kernels.train.config.io import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("math_verify")

@@ -47,9 +47,10 @@ def test_jackknife_interval_brackets_the_estimate_and_covers_a_known_snr():
 def test_recorded_gradient_is_the_one_an_optimizer_would_apply():
     """grpo_step with the recorder leaves the parameters alone, and what it records is exactly the step of SGD with
     lr 1 from the same parameters on the same rollout."""
-    from grpo_kernels.train.rollout import Rollout
-    from grpo_kernels.train.step import Policy, grpo_step
-    from grpo_kernels.train.tasks import tiny_model
+    from grpo_kernels.train.data.tasks import tiny_model
+    from grpo_kernels.train.model.policy import Policy
+    from grpo_kernels.train.rollout.batch import Rollout
+    from grpo_kernels.train.step import grpo_step
 
     model = tiny_model(32, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32, seed=3)
     policy = Policy(model)

@@ -124,7 +124,7 @@ def test_bad_arguments_are_one_error_line(extra, message, capsys, tmp_path):
 
 
 def test_format_weight_reaches_the_runs_and_names_its_own_study(tmp_path):
-    from grpo_kernels.train.config_io import load_config
+    from grpo_kernels.train.config.io import load_config
 
     args = type("A", (), dict(gl.QUICK, adaptive_threshold=0.5, cpus=None, model="smollm2-135m", task="arith",
                               format_weight=0.0))()  # fmt: skip

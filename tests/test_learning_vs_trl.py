@@ -11,10 +11,10 @@ import pytest
 
 from benchmarks.learning.intervals import mean_ci
 from grpo_kernels.train import build as build_module
-from grpo_kernels.train import sampling as sampling_module
 from grpo_kernels.train import trainer as trainer_module
-from grpo_kernels.train.config_io import load_config
-from grpo_kernels.train.tasks import PromptStream
+from grpo_kernels.train.config.io import load_config
+from grpo_kernels.train.data.tasks import PromptStream
+from grpo_kernels.train.rollout import sampling as sampling_module
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -162,7 +162,7 @@ def test_our_trainer_with_hfs_draw_changes_the_training_draw_alone(tmp_path, mon
     import types
 
     from benchmarks.learning import hfdraw_worker as learning_hfdraw_worker
-    from grpo_kernels.train import sampler as sampler_module
+    from grpo_kernels.train.rollout import hf_sampler as sampler_module
 
     args = types.SimpleNamespace(**{**learning_vs_trl.QUICK, "steps": 1, "format_weight": None})
     args.model = str(learning_vs_trl.quick_model(tmp_path))
@@ -203,7 +203,7 @@ def test_trl_in_micro_batches_makes_the_whole_steps_update(tmp_path, monkeypatch
     import types
 
     from benchmarks.learning import trl_worker as learning_trl_worker
-    from grpo_kernels.train.rewards import RewardFunction, Rewards
+    from grpo_kernels.train.data.rewards import RewardFunction, Rewards
 
     def length_mod_3(completions, **kwargs):
         return [(len(c) % 3) / 2 for c in completions]
@@ -303,8 +303,8 @@ def test_the_endpoints_of_a_study_part_way_with_no_seed_in_both_trainers_yet(tmp
 def test_the_study_runs_its_recipe_bonus_whatever_the_tasks_default(tmp_path):
     """The default recipe (endpoints.md) is arith with the bare-integer bonus at 0.2: both trainers get it explicitly,
     and the summary's command says it, now that the task's own default is 0."""
-    from grpo_kernels.train.config_io import load_config
-    from grpo_kernels.train.tasks import make_task
+    from grpo_kernels.train.config.io import load_config
+    from grpo_kernels.train.data.tasks import make_task
 
     assert make_task("arith").FORMAT_WEIGHT == 0.0
     args = learning_vs_trl.parse_args([])

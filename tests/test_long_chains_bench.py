@@ -360,7 +360,7 @@ def test_trl_micro_batches_are_slices_of_the_padded_step_and_train_in_one_proces
     """One real measurement of the micro-batched TRL provider on the tiny model: 4 completions, one per micro-batch
     (per_device_train_batch_size 1, gradient accumulation over 4), each padded to the step's longest."""
     from benchmarks.long_chains import sweep as lc
-    from grpo_kernels.train.hf_model import write_tiny_checkpoint
+    from grpo_kernels.train.model.hf import write_tiny_checkpoint
 
     model = str(write_tiny_checkpoint(tmp_path / "model"))
     point = dict(sweep="best", dist="loguniform", group_size=2, prompts=2, min_len=16, max_len=64)
@@ -404,7 +404,7 @@ def test_profile_tells_the_backwards_recompute_from_the_forward(tmp_path, mode):
     from benchmarks.long_chains import worker
     from benchmarks.long_chains.profile_step import table
     from grpo_kernels import fused_linear_grpo_loss
-    from grpo_kernels.train.activation import checkpoint_blocks
+    from grpo_kernels.train.model.activation import checkpoint_blocks
 
     torch.manual_seed(0)
     mlp = lambda: torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.SiLU(), torch.nn.Linear(256, 64))  # noqa

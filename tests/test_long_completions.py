@@ -19,13 +19,14 @@ from helpers import run_vllm_check
 from grpo_kernels import reference
 from grpo_kernels.cli import main
 from grpo_kernels.packing import pack_sequences
-from grpo_kernels.train import lengths
-from grpo_kernels.train.config_io import load_config
-from grpo_kernels.train.fsdp import SINGLE
-from grpo_kernels.train.rollout import Rollout
-from grpo_kernels.train.sampler import HFSampler
-from grpo_kernels.train.step import completion_logprobs, grpo_step
-from grpo_kernels.train.tasks import CharTokenizer, tiny_model
+from grpo_kernels.train.config.io import load_config
+from grpo_kernels.train.data.tasks import CharTokenizer, tiny_model
+from grpo_kernels.train.model import lengths
+from grpo_kernels.train.model.fsdp import SINGLE
+from grpo_kernels.train.model.policy import completion_logprobs
+from grpo_kernels.train.rollout.batch import Rollout
+from grpo_kernels.train.rollout.hf_sampler import HFSampler
+from grpo_kernels.train.step import grpo_step
 
 sys.path.insert(0, str(Path(__file__).parent))
 from long_completions_vllm_check import MARKER, rule_out_eos  # noqa: E402
@@ -86,7 +87,8 @@ def test_kv_cache_arithmetic_of_smollm2():
 
 
 def test_the_samplers_get_the_longest_prompt_plus_max_new_tokens_as_max_model_len(monkeypatch):
-    from grpo_kernels.train import build, colocated, vllm_sampler
+    from grpo_kernels.train import build
+    from grpo_kernels.train.rollout import colocated, vllm_sampler
 
     seen = {}
 

@@ -1,5 +1,5 @@
-"""The model-converter hook (grpo_kernels.train.converters), through a test converter that does what an adapter does
-to the names: it wraps every linear layer of the decoder blocks in a module of its own (q_proj.weight becomes
+"""The model-converter hook (grpo_kernels.train.model.converters), through a test converter that does what an adapter
+does to the names: it wraps every linear layer of the decoder blocks in a module of its own (q_proj.weight becomes
 q_proj.inner.weight) and freezes the embeddings (tied to the LM head in the tiny model). Checked: the optimizer's
 parameters, `decoder_blocks`, the reference policy, the names the vLLM sampler receives (the HF originals, in the
 directory it loads and in every weight update), a checkpoint round trip, and a whole run."""
@@ -10,13 +10,14 @@ import json
 import pytest
 import torch
 
-from grpo_kernels.train import converters, vllm_sampler
-from grpo_kernels.train.activation import decoder_blocks
 from grpo_kernels.train.build import build, load
 from grpo_kernels.train.checkpoint import load_checkpoint, save_checkpoint
-from grpo_kernels.train.config_io import load_config
-from grpo_kernels.train.fsdp import SINGLE
-from grpo_kernels.train.sampler import HFSampler
+from grpo_kernels.train.config.io import load_config
+from grpo_kernels.train.model import converters
+from grpo_kernels.train.model.activation import decoder_blocks
+from grpo_kernels.train.model.fsdp import SINGLE
+from grpo_kernels.train.rollout import vllm_sampler
+from grpo_kernels.train.rollout.hf_sampler import HFSampler
 from grpo_kernels.train.trainer import train
 
 
@@ -176,7 +177,7 @@ def test_converter_specs_are_checked():
     with pytest.raises(ValueError, match="neither a registered converter"):
         converters.make_converter("no_such_converter")
     with pytest.raises(ValueError, match="does not load"):
-        converters.make_converter("grpo_kernels.train.converters:NoSuch")
+        converters.make_converter("grpo_kernels.train.model.converters:NoSuch")
     with pytest.raises(ValueError, match="has no convert"):
         converters.make_converter("builtins:object")
     with pytest.raises(ValueError, match="registered already"):

@@ -107,7 +107,7 @@ def test_decoupled_run_across_three_network_namespaces(hosts, tmp_path):
     try:
         wait = textwrap.dedent(f"""
             import time
-            from grpo_kernels.train.rollout_server import RolloutServerError, ServerClient
+            from grpo_kernels.train.rollout.server import RolloutServerError, ServerClient
             client, deadline = ServerClient("http://{SERVER}:{PORT}", timeout_s=5), time.monotonic() + 300
             while True:
                 try:

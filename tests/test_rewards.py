@@ -1,4 +1,4 @@
-"""Reward functions as TRL and verl users write them (grpo_kernels.train.rewards): the calling conventions, None as
+"""Reward functions as TRL and verl users write them (grpo_kernels.train.data.rewards): the calling conventions, None as
 "does not apply" (skipped in the weighted sum; an all-None completion left out of its group with advantage 0),
 timeouts, worker processes, and a clear error for every bad input."""
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from grpo_kernels import group_advantages
-from grpo_kernels.train.config_io import load_config
-from grpo_kernels.train.rewards import RewardError, RewardFunction, Rewards, load_reward_function
-from grpo_kernels.train.rollout import Rollout
-from grpo_kernels.train.tasks import Example
+from grpo_kernels.train.config.io import load_config
+from grpo_kernels.train.data.rewards import RewardError, RewardFunction, Rewards, load_reward_function
+from grpo_kernels.train.data.tasks import Example
+from grpo_kernels.train.rollout.batch import Rollout
 
 TRL_FILE = '''
 import asyncio
@@ -292,7 +292,7 @@ def test_relative_reward_files_resolve_against_the_config_folder_or_the_working_
 
 def test_the_built_in_tasks_score_through_the_same_functions():
     from grpo_kernels.train.build import task_rewards
-    from grpo_kernels.train.tasks import make_task
+    from grpo_kernels.train.data.tasks import make_task
 
     arith = task_rewards(make_task("arith", format_weight=0.5))
     assert arith.names == ["arith_correct", "arith_format"] and arith.weights == [1.0, 0.5]
@@ -329,7 +329,7 @@ def test_the_built_in_tasks_import_neither_datasets_nor_math_verify():
     import sys
 
     code = ("import sys\nfrom grpo_kernels.train.build import task_examples, task_rewards\n"
-            "from grpo_kernels.train.config_io import load_config\n"
+            "from grpo_kernels.train.config.io import load_config\n"
             "for name in ('reverse', 'add', 'arith'):\n"
             "    task, train, _ = task_examples(load_config(None, [f'task.name={name}']))\n"
             "    task_rewards(task).score(train[:2], ['1', '2'], [[1], [2]], step=0)\n"
@@ -381,8 +381,8 @@ def test_the_timeout_stops_a_hung_function_where_sigint_is_ignored(trl_file, tmp
     script = tmp_path / "run.py"
     script.write_text(
         "import signal\n"
-        "from grpo_kernels.train.rewards import RewardError, Rewards, load_reward_function\n"
-        "from grpo_kernels.train.tasks import Example\n"
+        "from grpo_kernels.train.data.rewards import RewardError, Rewards, load_reward_function\n"
+        "from grpo_kernels.train.data.tasks import Example\n"
         f"rewards = Rewards([load_reward_function({str(trl_file) + ':hangs'!r})], timeout_s=0.5)\n"
         "try:\n"
         "    rewards.score([Example(prompt='q0', answer='1')], ['1'], [[1]], step=3)\n"

@@ -16,8 +16,8 @@ from helpers import assert_close  # noqa: E402
 from test_trl_dropin import scripted_generate, tiny_config, tokenizer  # noqa: E402
 
 from grpo_kernels.train.build import task_examples, task_rewards  # noqa: E402
-from grpo_kernels.train.config_io import load_config  # noqa: E402
-from grpo_kernels.train.rollout import Rollout  # noqa: E402
+from grpo_kernels.train.config.io import load_config  # noqa: E402
+from grpo_kernels.train.rollout.batch import Rollout  # noqa: E402
 
 REWARD_FILE = '''
 import asyncio

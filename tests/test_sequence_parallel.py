@@ -14,8 +14,8 @@ import transformers
 
 from grpo_kernels.packing import pack_sequences
 from grpo_kernels.sequence_parallel import shard_packed
-from grpo_kernels.train.fsdp import Dist
-from grpo_kernels.train.step import Policy, _run, completion_logprobs
+from grpo_kernels.train.model.fsdp import Dist
+from grpo_kernels.train.model.policy import Policy, completion_logprobs, run_policy
 
 pytestmark = pytest.mark.distributed
 
@@ -68,7 +68,7 @@ def _loss_and_grads(model, packed, adv, old, ref, d, options):
     policy.zero_grad(set_to_none=True)
     n = int(packed.completion_ids.shape[0])
     extra = {"ref_logps": ref} if options.get("beta") else {}
-    loss, metrics = _run(policy, packed, adv, dist=d, temperature=0.8, cu_seqlens=packed.completion_cu_seqlens,
+    loss, metrics = run_policy(policy, packed, adv, dist=d, temperature=0.8, cu_seqlens=packed.completion_cu_seqlens,
                          old_logps=old, num_items_in_batch=n, **options, **extra)  # fmt: skip
     loss.backward()
     grads = torch.cat([p.grad.flatten() for p in model.parameters()])

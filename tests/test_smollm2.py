@@ -17,11 +17,11 @@ import torch
 
 from grpo_kernels import cli
 from grpo_kernels.packing import pack_sequences
-from grpo_kernels.train import models
 from grpo_kernels.train.build import load
-from grpo_kernels.train.config_io import load_config
-from grpo_kernels.train.hf_model import load_policy
-from grpo_kernels.train.step import completion_logprobs
+from grpo_kernels.train.config.io import load_config
+from grpo_kernels.train.model import known as models
+from grpo_kernels.train.model.hf import load_policy
+from grpo_kernels.train.model.policy import completion_logprobs
 
 pytestmark = pytest.mark.slow
 NAME = "smollm2-135m"
@@ -288,6 +288,6 @@ def test_two_training_steps_keep_sampler_and_trainer_log_probs_equal(sampler, ca
     diffs = [r["sampler_logp_abs_diff"] for r in rows]
     assert all(d <= 1e-4 for d in diffs), diffs
     # Nothing was wrong: no line of the run's output reads like a failure (vLLM's harmless ones are hidden, see
-    # grpo_kernels.train.vllm_sampler; "Failed to load weights" of the rotary cache was logged on every sync).
+    # grpo_kernels.train.rollout.vllm_sampler; "Failed to load weights" of the rotary cache was logged on every sync).
     alarming = re.compile(r"Traceback|Error|[Ff]ail|crash|incorrect|not installed")
     assert [line for line in (proc.stdout + proc.stderr).splitlines() if alarming.search(line)] == []

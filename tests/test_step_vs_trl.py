@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 from test_trl_dropin import _one_thread, make_trainer, model_dir, reward, tiny_config  # noqa: E402, F401
 
 from grpo_kernels.attention import register_hf_attention  # noqa: E402
-from grpo_kernels.train.rollout import Rollout  # noqa: E402
+from grpo_kernels.train.rollout.batch import Rollout  # noqa: E402
 from grpo_kernels.train.step import grpo_step  # noqa: E402
 
 LR = 0.5

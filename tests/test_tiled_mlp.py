@@ -9,9 +9,9 @@ import torch
 from test_activation_checkpointing import _batch, _llama, _loss_and_grads, _saved_bytes
 
 from grpo_kernels.packing import pack_sequences
-from grpo_kernels.train.activation import checkpoint_blocks, tile_mlps
-from grpo_kernels.train.config_io import load_config
-from grpo_kernels.train.tasks import tiny_model
+from grpo_kernels.train.config.io import load_config
+from grpo_kernels.train.data.tasks import tiny_model
+from grpo_kernels.train.model.activation import checkpoint_blocks, tile_mlps
 
 
 def _options(packed):

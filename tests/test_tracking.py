@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_kernels.train.config_io import load_config
+from grpo_kernels.train.config.io import load_config
 from grpo_kernels.train.tracking import TRL_NAMES, check_installed, trl_names
 
 STEPS = ["--optim.steps=3", "--task.eval_every=2", "--task.num_eval_prompts=16", "--sampling.group_size=4",

@@ -62,7 +62,7 @@ def test_the_h100_example_loads_and_its_launch_script_runs_that_config():
     import importlib.util
     from pathlib import Path
 
-    from grpo_kernels.train.config_io import load_config
+    from grpo_kernels.train.config.io import load_config
 
     examples = Path(__file__).resolve().parents[1] / "examples"
     config = load_config(examples / "train_qwen_gsm8k_h100.toml")
@@ -80,7 +80,7 @@ def test_the_h100_example_loads_and_its_launch_script_runs_that_config():
 def test_the_demo_config_loads():
     from pathlib import Path
 
-    from grpo_kernels.train.config_io import load_config
+    from grpo_kernels.train.config.io import load_config
 
     config = load_config(Path(__file__).resolve().parents[1] / "examples" / "train_tiny_cpu.toml")
     assert config.task.name == "add" and config.optim.steps == 800
@@ -94,7 +94,7 @@ def _short_run(run, *extra):
 
 
 def test_a_local_hf_model_directory_trains_on_jsonl_data(tmp_path):
-    from grpo_kernels.train.hf_model import write_tiny_checkpoint
+    from grpo_kernels.train.model.hf import write_tiny_checkpoint
 
     model = write_tiny_checkpoint(tmp_path / "model")
     data = tmp_path / "data.jsonl"
@@ -243,7 +243,9 @@ def test_an_error_in_the_final_evaluation_closes_the_vllm_engine_and_the_process
 
     import torch.distributed as dist
 
-    from grpo_kernels.train import colocated, rollout_server, run_files
+    from grpo_kernels.train import run_files
+    from grpo_kernels.train.rollout import colocated
+    from grpo_kernels.train.rollout import server as rollout_server
 
     closed, opened, evaluations = [], [], []
 

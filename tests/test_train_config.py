@@ -13,7 +13,7 @@ import grpo_kernels
 from grpo_kernels.loss import LOSS_TYPES, SAMPLER_IS_MODES
 from grpo_kernels.train import config as config_module
 from grpo_kernels.train.config import LossConfig, ModelConfig, SamplingConfig, TrainConfig
-from grpo_kernels.train.config_io import load_config, save_config, to_dict
+from grpo_kernels.train.config.io import load_config, save_config, to_dict
 
 TOML = """
 seed = 7
@@ -56,7 +56,8 @@ def test_defaults_validate_and_loss_defaults_are_grpo_losss():
 
 
 def test_every_field_has_a_docstring_under_it():
-    from grpo_kernels.train import config_run, config_sampling
+    from grpo_kernels.train.config import run as config_run
+    from grpo_kernels.train.config import sampling as config_sampling
 
     classes = [n for m in (config_module, config_sampling, config_run) for n in ast.parse(inspect.getsource(m)).body
                if isinstance(n, ast.ClassDef)]  # fmt: skip
@@ -292,7 +293,7 @@ def test_help_config_lists_every_option_with_its_type_default_and_docstring(caps
     docstring fails here), LossConfig's from LossOptions; an unknown section is one error line."""
     from grpo_kernels.cli import main
     from grpo_kernels.train.config import section_classes
-    from grpo_kernels.train.config_io import field_docs
+    from grpo_kernels.train.config.io import field_docs
 
     main(["train", "--help-config"])
     text = capsys.readouterr().out

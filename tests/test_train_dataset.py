@@ -7,8 +7,8 @@ import json
 import pytest
 
 from grpo_kernels.train.build import task_examples, task_rewards
-from grpo_kernels.train.config_io import load_config
-from grpo_kernels.train.data import examples_from_rows, load_rows
+from grpo_kernels.train.config.io import load_config
+from grpo_kernels.train.data.datasets import examples_from_rows, load_rows
 
 ROWS = [{"question": f"What is {i} + {i}?", "solution": str(2 * i), "level": i % 3} for i in range(10)]
 

@@ -11,9 +11,9 @@ import torch
 
 from grpo_kernels.train import trainer
 from grpo_kernels.train.checkpoint import latest_checkpoint, load_checkpoint
-from grpo_kernels.train.config_io import load_config
-from grpo_kernels.train.step import Policy
-from grpo_kernels.train.tasks import CharTokenizer, tiny_model
+from grpo_kernels.train.config.io import load_config
+from grpo_kernels.train.data.tasks import CharTokenizer, tiny_model
+from grpo_kernels.train.model.policy import Policy
 
 ARGS = ["--optim.steps=3", "--optim.lr=1e-2", "--sampling.group_size=4", "--sampling.prompts_per_step=4",
         "--sampling.max_new_tokens=4", "--task.name=add", "--task.sft_warmup_steps=60", "--task.num_eval_prompts=4",

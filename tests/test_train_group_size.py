@@ -55,12 +55,12 @@ def test_dynamic_sampling_drops_exactly_the_groups_the_advantage_kernel_marks_in
     import torch
 
     from grpo_kernels.advantages import group_advantages
-    from grpo_kernels.train.config_io import load_config
-    from grpo_kernels.train.fsdp import SINGLE
-    from grpo_kernels.train.rewards import RewardFunction, Rewards
-    from grpo_kernels.train.rollout import Rollout
-    from grpo_kernels.train.sampling import collect
-    from grpo_kernels.train.tasks import Example
+    from grpo_kernels.train.config.io import load_config
+    from grpo_kernels.train.data.rewards import RewardFunction, Rewards
+    from grpo_kernels.train.data.tasks import Example
+    from grpo_kernels.train.model.fsdp import SINGLE
+    from grpo_kernels.train.rollout.batch import Rollout
+    from grpo_kernels.train.rollout.sampling import collect
 
     group_rewards = {"tiny": [1.0, 1.0 + 1e-7], "signal": [0.0, 1.0], "equal": [0.5, 0.5], "near": [0.2, 0.2 + 1e-6]}
     names = list(group_rewards)

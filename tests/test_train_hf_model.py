@@ -9,8 +9,8 @@ import torch
 from helpers import assert_close
 
 from grpo_kernels.packing import pack_sequences
-from grpo_kernels.train.hf_model import load_policy, write_tiny_checkpoint
-from grpo_kernels.train.tasks import CharTokenizer, tiny_model
+from grpo_kernels.train.data.tasks import CharTokenizer, tiny_model
+from grpo_kernels.train.model.hf import load_policy, write_tiny_checkpoint
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -160,7 +160,7 @@ def test_dtype_is_checked(checkpoint):
 
 def test_generation_config_eos_ids_are_stop_ids_for_decode_and_sampler(checkpoint, tmp_path):
     """An instruction-tuned model may end a turn with an eos of its generation config that is not the tokenizer's."""
-    from grpo_kernels.train.sampler import HFSampler
+    from grpo_kernels.train.rollout.hf_sampler import HFSampler
 
     path = copy_of(checkpoint, tmp_path / "model")
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5], "bos_token_id": 1}))

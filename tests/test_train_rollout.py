@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from grpo_kernels import group_advantages
-from grpo_kernels.train import sampling
-from grpo_kernels.train.config_io import load_config
-from grpo_kernels.train.fsdp import SINGLE, Dist
-from grpo_kernels.train.rewards import RewardFunction, Rewards
-from grpo_kernels.train.rollout import Rollout
-from grpo_kernels.train.tasks import Example
+from grpo_kernels.train.config.io import load_config
+from grpo_kernels.train.data.rewards import RewardFunction, Rewards
+from grpo_kernels.train.data.tasks import Example
+from grpo_kernels.train.model.fsdp import SINGLE, Dist
+from grpo_kernels.train.rollout import sampling
+from grpo_kernels.train.rollout.batch import Rollout
 
 G = 3
 REWARDS = [[1.0, 0.0, 0.1], [0.5, 0.5, 0.5], [0.0, 1.1, 1.0]]  # group 1 has no signal

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from grpo_kernels.train.sampler import HFSampler, SeededSampling, row_seed
-from grpo_kernels.train.tasks import CharTokenizer, make_task, tiny_model
+from grpo_kernels.train.data.tasks import CharTokenizer, make_task, tiny_model
+from grpo_kernels.train.rollout.hf_sampler import HFSampler, SeededSampling, row_seed
 
 
 def draw_frequencies(logits: torch.Tensor, rows: int, temperature: float, top_p: float) -> torch.Tensor:

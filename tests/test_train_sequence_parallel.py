@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from grpo_kernels.train.checkpoint import load_checkpoint
-from grpo_kernels.train.step import Policy
-from grpo_kernels.train.tasks import CharTokenizer, tiny_model
+from grpo_kernels.train.data.tasks import CharTokenizer, tiny_model
+from grpo_kernels.train.model.policy import Policy
 
 BUDGET = 12  # tokens per rank and micro-batch: a sample (a 5-token prompt + 8 new tokens) needs 2 x BUDGET
 ARGS = ["--optim.steps=2", "--optim.lr=1e-2", "--sampling.group_size=4", "--sampling.prompts_per_step=4",
@@ -106,7 +106,7 @@ def test_sequence_parallel_layout_errors_are_one_line_and_write_nothing(tmp_path
 
 
 def test_the_long_chain_examples_load_with_checkpointing_and_their_layouts():
-    from grpo_kernels.train.config_io import load_config
+    from grpo_kernels.train.config.io import load_config
 
     cpu = load_config("examples/long_chains_cpu.toml")
     assert cpu.model.activation_checkpointing == "blocks" and cpu.sampling.mask_truncated_completions

@@ -6,9 +6,10 @@ import torch
 
 from grpo_kernels import group_advantages
 from grpo_kernels.packing import pack_sequences
-from grpo_kernels.train.sampler import HFSampler
-from grpo_kernels.train.step import completion_logprobs, grpo_step, sft_warmup
-from grpo_kernels.train.tasks import CharTokenizer, make_task, tiny_model
+from grpo_kernels.train.data.tasks import CharTokenizer, make_task, tiny_model
+from grpo_kernels.train.model.policy import completion_logprobs
+from grpo_kernels.train.rollout.hf_sampler import HFSampler
+from grpo_kernels.train.step import grpo_step, sft_warmup
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpo_kernels.train.build import task_rewards
-from grpo_kernels.train.tasks import CharTokenizer, exact_match, load_jsonl, make_task, numeric_match, tiny_model
+from grpo_kernels.train.data.tasks import CharTokenizer, exact_match, load_jsonl, make_task, numeric_match, tiny_model
 
 
 def test_tokenizer_round_trip_and_specials():

@@ -32,8 +32,8 @@ datasets = pytest.importorskip("datasets")
 
 import grpo_kernels as gk  # noqa: E402
 from grpo_kernels.attention import register_hf_attention  # noqa: E402
+from grpo_kernels.hf_head import check_plain_head  # noqa: E402
 from grpo_kernels.integrations import FusedGRPOTrainer, compute_logprobs, use_grpo_kernels  # noqa: E402
-from grpo_kernels.integrations.hf import check_plain_head  # noqa: E402
 from grpo_kernels.packing import pack_sequences  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -361,7 +361,7 @@ def test_logit_transforms_in_the_model_config_raise(model_dir, attr, value):
 def test_softcap_after_a_logit_scale_folds_into_cap_and_temperature():
     """Scale s, then cap c (TRL's distillation order), then temperature T: c tanh(s z / c) / T is the fused head with
     softcap c / s at temperature T / s."""
-    from grpo_kernels.integrations.hf import logit_multiplier, logit_softcap
+    from grpo_kernels.hf_head import logit_multiplier, logit_softcap
 
     config = transformers.CohereConfig(logit_scale=0.25, final_logit_softcapping=0.6)
     s, c = logit_multiplier(config), logit_softcap(config)

@@ -63,7 +63,7 @@ def test_a_sync_shows_no_line_that_reads_like_a_failure(check):
 
 
 def test_the_routine_line_filter_hides_only_those_lines():
-    from grpo_kernels.train.vllm_sampler import quiet_routine_vllm_lines
+    from grpo_kernels.train.rollout.vllm_sampler import quiet_routine_vllm_lines
 
     logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     shown = []
@@ -92,8 +92,9 @@ def test_multiprocessing_forced_on_is_refused(check):
 
 
 def test_without_vllm_the_error_names_the_install(tmp_path, monkeypatch):
-    from grpo_kernels.train.tasks import CharTokenizer, tiny_model
-    from grpo_kernels.train.vllm_sampler import VLLMSampler, save_hf_model
+    from grpo_kernels.train.data.tasks import CharTokenizer, tiny_model
+    from grpo_kernels.train.model.hf import save_hf_model
+    from grpo_kernels.train.rollout.vllm_sampler import VLLMSampler
 
     tok = CharTokenizer()
     directory = save_hf_model(tiny_model(tok.vocab_size, attn_implementation="sdpa"), tmp_path / "model")

@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_kernels.train.decoupled import RolloutPipeline
-from grpo_kernels.train.weight_transfer import ALIGN, bucket_plan, bucket_size
+from grpo_kernels.train.rollout.decoupled import RolloutPipeline
+from grpo_kernels.train.rollout.weight_transfer import ALIGN, bucket_plan, bucket_size
 
 DTYPES = ["float32", "bfloat16", "float16", "int64", "uint8"]
 
@@ -64,7 +64,7 @@ class _FakeServer:
     world_size = 1
 
     def __init__(self):
-        from grpo_kernels.train.weight_transfer import GlooWeightTransferEngine, register_vllm_plugin
+        from grpo_kernels.train.rollout.weight_transfer import GlooWeightTransferEngine, register_vllm_plugin
 
         register_vllm_plugin()
         vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_index=0, world_size=1, rank=0),
@@ -83,7 +83,7 @@ class _FakeServer:
 
 
 def _model():
-    from grpo_kernels.train.tasks import CharTokenizer, tiny_model
+    from grpo_kernels.train.data.tasks import CharTokenizer, tiny_model
 
     return tiny_model(CharTokenizer().vocab_size, attn_implementation="sdpa", seed=3)
 
@@ -91,8 +91,8 @@ def _model():
 @pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16])
 def test_gloo_stream_delivers_every_weight_to_every_server(wire):
     _require_vllm()
-    from grpo_kernels.train.rollout_server import free_port
-    from grpo_kernels.train.weight_transfer import WeightSync
+    from grpo_kernels.train.rollout.server import free_port
+    from grpo_kernels.train.rollout.weight_transfer import WeightSync
 
     model = _model()
     names = {n for n, _ in model.named_parameters()}
@@ -121,7 +121,7 @@ def test_gloo_stream_delivers_every_weight_to_every_server(wire):
 
 def test_weight_sync_refuses_names_the_servers_checkpoint_does_not_have():
     _require_vllm()
-    from grpo_kernels.train.weight_transfer import WeightSync
+    from grpo_kernels.train.rollout.weight_transfer import WeightSync
 
     model = _model()
     names = {n for n, _ in model.named_parameters()}
@@ -215,7 +215,7 @@ def test_pipeline_update_waits_for_the_batch_being_sampled():
     (["--sampling.placement=elsewhere"], "sampling.placement must be one of"),
 ])  # fmt: skip
 def test_decoupled_options_are_checked_when_the_config_loads(overrides, message):
-    from grpo_kernels.train.config_io import load_config
+    from grpo_kernels.train.config.io import load_config
 
     with pytest.raises(ValueError, match=message):
         load_config(None, overrides)
@@ -244,7 +244,7 @@ def test_decoupled_start_up_that_cannot_work_is_refused_before_the_run(overrides
     transfer address died with a traceback (87 s later for the address) and left rollout-model/ behind. The config's
     own rules refuse at load; what depends on this host (the address, the servers' memory) preflight.check."""
     from grpo_kernels.train import preflight
-    from grpo_kernels.train.config_io import load_config
+    from grpo_kernels.train.config.io import load_config
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     with pytest.raises(ValueError, match=message):
@@ -256,7 +256,7 @@ def test_decoupled_start_up_that_cannot_work_is_refused_before_the_run(overrides
 @pytest.mark.skipif(torch.cuda.is_available(), reason="nccl is a valid choice with CUDA")
 def test_nccl_weight_transfer_without_cuda_is_refused_before_the_run():
     from grpo_kernels.train import preflight
-    from grpo_kernels.train.config_io import load_config
+    from grpo_kernels.train.config.io import load_config
 
     with pytest.raises(ValueError, match=r'sampling.weight_transfer = "nccl" needs CUDA'):
         preflight.check(load_config(None, [*DEC, "--sampling.weight_transfer=nccl"]), "cpu")
@@ -264,7 +264,7 @@ def test_nccl_weight_transfer_without_cuda_is_refused_before_the_run():
 
 def test_servers_start_in_bounded_waves():
     """At most `at_once` servers are starting (launched, not yet healthy) at any time; all end up ready."""
-    from grpo_kernels.train.decoupled import _launch
+    from grpo_kernels.train.rollout.decoupled import _launch
 
     events, starting, peak = [], set(), [0]
 
@@ -303,8 +303,8 @@ def test_serve_rollout_on_a_port_in_use_is_one_line_and_writes_nothing(tmp_path,
 
 
 def test_server_cores_are_split_from_the_trainers(monkeypatch):
-    from grpo_kernels.train.config_io import load_config
-    from grpo_kernels.train.decoupled import _split_cores
+    from grpo_kernels.train.config.io import load_config
+    from grpo_kernels.train.rollout.decoupled import _split_cores
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})  # the config checks the cores too
     s = load_config(None, ["--sampling.sampler=vllm", "--sampling.placement=decoupled", "--sampling.servers=2",
@@ -324,7 +324,7 @@ def test_server_cores_are_split_from_the_trainers(monkeypatch):
 
 def test_the_example_decoupled_config_loads_and_the_overlap_model_adds_up():
     from benchmarks.trainer.decoupled_overlap import predict, summarize
-    from grpo_kernels.train.config_io import load_config
+    from grpo_kernels.train.config.io import load_config
 
     s = load_config(os.path.join(os.path.dirname(__file__), "..", "examples", "train_tiny_decoupled_cpu.toml")).sampling
     assert (s.placement, s.sampler, s.max_staleness, s.servers) == ("decoupled", "vllm", 1, 2)
@@ -338,7 +338,7 @@ def test_the_example_decoupled_config_loads_and_the_overlap_model_adds_up():
 
 
 def test_rollout_server_command_carries_what_the_trainer_relies_on(monkeypatch):
-    from grpo_kernels.train.rollout_server import RolloutServer
+    from grpo_kernels.train.rollout.server import RolloutServer
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     server = RolloutServer("/m", port=1234, cpus=[0, 1, 2], tensor_parallel_size=2, backend="gloo")

@@ -35,7 +35,7 @@ def max_diff(a, b) -> float:
 def teach_eos(model, tok, steps=30):
     """A few AdamW steps on "prompt=answer<eos>" so that completions often end with <eos> (a random init rarely
     samples it), and the distributions are far from uniform."""
-    from grpo_kernels.train.tasks import make_task
+    from grpo_kernels.train.data.tasks import make_task
 
     examples = make_task("add", difficulty=2).examples(32, seed=0)
     batch = [torch.tensor(tok.encode(e.prompt + e.answer, bos=True, eos=True)) for e in examples]
@@ -48,8 +48,9 @@ def teach_eos(model, tok, steps=30):
 
 
 def main(work_dir: str) -> dict:
-    from grpo_kernels.train.tasks import CharTokenizer, tiny_model
-    from grpo_kernels.train.vllm_sampler import VLLMSampler, quiet_routine_vllm_lines, save_hf_model
+    from grpo_kernels.train.data.tasks import CharTokenizer, tiny_model
+    from grpo_kernels.train.model.hf import save_hf_model
+    from grpo_kernels.train.rollout.vllm_sampler import VLLMSampler, quiet_routine_vllm_lines
 
     torch.manual_seed(0)
     tok = CharTokenizer()

@@ -181,7 +181,7 @@ class _MLPBlock(torch.nn.Module):
 
 def _offload_model(env, dtype, mode: str, small: bool):
     """(a stack of residual MLP blocks checkpointed by the trainer's checkpoint_blocks in mode, its input)."""
-    from grpo_kernels.train.activation import checkpoint_blocks
+    from grpo_kernels.train.model.activation import checkpoint_blocks
 
     tokens, hidden, layers = (64, 32, 4) if env.dry or small else ((4096, 4096, 8) if env.quick else (8192, 4096, 16))
     torch.manual_seed(0)

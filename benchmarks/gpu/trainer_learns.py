@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # learning_check: the CI check's config
 
 import learning_check  # noqa: E402
 
-from grpo_kernels.train.config_io import load_config  # noqa: E402
+from grpo_kernels.train.config.io import load_config  # noqa: E402
 
 FIELDS = ["seed", "device", "backend", "dtype", "eval_start", "eval_end", "gain", "seconds", "verdict"]
 FP32 = ("--model.dtype=float32",)  # the dtype the threshold was calibrated in (the CUDA default "auto" is bf16)

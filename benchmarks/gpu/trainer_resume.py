@@ -22,9 +22,9 @@ import torch
 from benchmarks.common import write_csv
 from benchmarks.gpu import stage_args
 from grpo_kernels.train import checkpoint as run_checkpoints
-from grpo_kernels.train.config_io import load_config
-from grpo_kernels.train.step import Policy
-from grpo_kernels.train.tasks import CharTokenizer, tiny_model
+from grpo_kernels.train.config.io import load_config
+from grpo_kernels.train.data.tasks import CharTokenizer, tiny_model
+from grpo_kernels.train.model.policy import Policy
 from grpo_kernels.train.trainer import TIMING_METRICS, train
 
 ARGS = ["--optim.steps=4", "--optim.lr=1e-2", "--sampling.group_size=8", "--sampling.prompts_per_step=2",

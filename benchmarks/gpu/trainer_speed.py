@@ -36,10 +36,11 @@ import torch
 from benchmarks.common import BlockProbe, write_csv
 from benchmarks.gpu import stage_args
 from grpo_kernels.attention import HF_ATTENTION_NAME, register_hf_attention
-from grpo_kernels.train import activation
-from grpo_kernels.train.rollout import Rollout
-from grpo_kernels.train.sampler import HFSampler
-from grpo_kernels.train.step import Policy, grpo_step
+from grpo_kernels.train.model import activation
+from grpo_kernels.train.model.policy import Policy
+from grpo_kernels.train.rollout.batch import Rollout
+from grpo_kernels.train.rollout.hf_sampler import HFSampler
+from grpo_kernels.train.step import grpo_step
 
 QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                   num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=True, rope_theta=1e6,

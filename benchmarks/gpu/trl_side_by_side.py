@@ -41,9 +41,10 @@ from benchmarks.common import BlockProbe, trl_prepare_for_steps, write_csv
 from benchmarks.gpu import stage_args
 from benchmarks.gpu.trainer_speed import QWEN25_15B, TINY, Shape, synthetic_rollout
 from grpo_kernels.attention import HF_ATTENTION_NAME, register_hf_attention
-from grpo_kernels.train.activation import checkpoint_blocks
-from grpo_kernels.train.rollout import Rollout
-from grpo_kernels.train.step import Policy, grpo_step
+from grpo_kernels.train.model.activation import checkpoint_blocks
+from grpo_kernels.train.model.policy import Policy
+from grpo_kernels.train.rollout.batch import Rollout
+from grpo_kernels.train.step import grpo_step
 
 FIELDS = ["provider", "step", "micro_batching", "seconds", "peak_gib", "vs_trl_time", "vs_trl_peak", "block_calls",
           "note"]

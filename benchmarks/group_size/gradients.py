@@ -133,11 +133,12 @@ def measure(model: str, *, group_sizes, prompts_per_step: int, repeats: int, poo
     if not todo:
         return _from_saved(saved, group_sizes)
     from grpo_kernels.train.build import load
-    from grpo_kernels.train.colocated import make_sampler
-    from grpo_kernels.train.config_io import load_config
-    from grpo_kernels.train.fsdp import SINGLE
-    from grpo_kernels.train.sampling import sample_scored, seed_for
-    from grpo_kernels.train.step import Policy, grpo_step, sft_warmup
+    from grpo_kernels.train.config.io import load_config
+    from grpo_kernels.train.model.fsdp import SINGLE
+    from grpo_kernels.train.model.policy import Policy
+    from grpo_kernels.train.rollout.colocated import make_sampler
+    from grpo_kernels.train.rollout.sampling import sample_scored, seed_for
+    from grpo_kernels.train.step import grpo_step, sft_warmup
 
     config = load_config(None, {"seed": seed, "model": {"name": model},
                                 "task": {"name": task, "difficulty": difficulty, "num_train_prompts": 1,

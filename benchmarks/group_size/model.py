@@ -71,10 +71,10 @@ def sample_pass_rates(model: str, *, prompts: int, samples: int, sampler: str, t
                       temperature: float, max_new_tokens: int, seed: int) -> list[dict]:  # fmt: skip
     """Per prompt: the prompt, its answer, set A's successes and set B's outcomes (samples each)."""
     from grpo_kernels.train.build import load
-    from grpo_kernels.train.colocated import make_sampler
-    from grpo_kernels.train.config_io import load_config
-    from grpo_kernels.train.fsdp import SINGLE
-    from grpo_kernels.train.sampling import seed_for
+    from grpo_kernels.train.config.io import load_config
+    from grpo_kernels.train.model.fsdp import SINGLE
+    from grpo_kernels.train.rollout.colocated import make_sampler
+    from grpo_kernels.train.rollout.sampling import seed_for
 
     config = load_config(None, {"seed": seed, "model": {"name": model},
                                 "task": {"name": task, "difficulty": difficulty, "num_train_prompts": 1,

@@ -146,8 +146,9 @@ def run_one(label: str, overrides: dict, run_dir: Path, *, sft_cache: dict) -> d
     """Train the demo with overrides; per-step metrics, per-step (G, success counts per group) and the summary."""
     import json
 
-    from grpo_kernels.train import build, colocated, trainer
-    from grpo_kernels.train.config_io import load_config
+    from grpo_kernels.train import build, trainer
+    from grpo_kernels.train.config.io import load_config
+    from grpo_kernels.train.rollout import colocated
 
     config = load_config(REPO / "examples" / "train_tiny_cpu.toml",
                          {**overrides, "logging.run_dir": str(run_dir), "logging.log_every": 10**6})  # fmt: skip

@@ -15,8 +15,8 @@ import sys
 import torch
 
 from grpo_kernels import cli
-from grpo_kernels.train import sampler as sampler_module
-from grpo_kernels.train import sampling as sampling_module
+from grpo_kernels.train.rollout import hf_sampler as sampler_module
+from grpo_kernels.train.rollout import sampling as sampling_module
 
 
 class MultinomialDraw(sampler_module.SeededSampling):

@@ -61,7 +61,7 @@ def chi2_sf(stat: float, dof: int) -> float:
 
 def ours_counts(logits: torch.Tensor, draws: int, temperature: float, seed: int, chunk: int = 250) -> torch.Tensor:
     """Token counts of `draws` draws by the sampler's own draw (one seeded generator per row, as it samples)."""
-    from grpo_kernels.train.sampler import SeededSampling, row_seed
+    from grpo_kernels.train.rollout.hf_sampler import SeededSampling, row_seed
 
     counts = torch.zeros(logits.numel(), dtype=torch.long)
     for start in range(0, draws, chunk):
@@ -83,8 +83,8 @@ def pair_draws(kind: str, logits: torch.Tensor, pairs: int, temperature: float, 
     """[pairs, 2] tokens drawn by the sampler's own draw from one distribution, two per pair, from the draws that a
     wrong seeding would correlate: "rows" members j and j + 1 of a group (prompt k's seed at one step), "steps"
     member j of prompt k at steps s and s + 1, "positions" one row's two successive tokens (one generator)."""
-    from grpo_kernels.train.sampler import SeededSampling, row_seed
-    from grpo_kernels.train.sampling import seed_for
+    from grpo_kernels.train.rollout.hf_sampler import SeededSampling, row_seed
+    from grpo_kernels.train.rollout.sampling import seed_for
 
     def draw(generators):
         scores = logits.expand(len(generators), -1).clone()
@@ -197,10 +197,10 @@ def main(argv=None) -> int:
     if args.rounds < 1:
         raise SystemExit(f"sampler-distribution: --rounds must be >= 1, got {args.rounds}")
     from grpo_kernels.train.build import load_model, task_examples, task_rewards
-    from grpo_kernels.train.config_io import load_config
-    from grpo_kernels.train.sampler import HFSampler
-    from grpo_kernels.train.sampling import seed_for
-    from grpo_kernels.train.tasks import PromptStream
+    from grpo_kernels.train.config.io import load_config
+    from grpo_kernels.train.data.tasks import PromptStream
+    from grpo_kernels.train.rollout.hf_sampler import HFSampler
+    from grpo_kernels.train.rollout.sampling import seed_for
 
     config = load_config(None, [f"--model.name={args.model}", f"--task.name={args.task}",
                                 f"--task.difficulty={args.difficulty}", f"--seed={args.seed}",

@@ -119,7 +119,7 @@ def main(argv=None) -> int:
         seeds = number_list(args.seeds)
     except ValueError:
         raise SystemExit(f"seed-spread: --seeds {args.seeds!r}: e.g. 0-4 or 0,3,7") from None
-    from grpo_kernels.train.config_io import load_config
+    from grpo_kernels.train.config.io import load_config
 
     try:
         load_config(args.config, args.override)  # a bad config or override: here, before any run

@@ -9,10 +9,10 @@ cannot run the same way is refused in one line (`trl_refusal`). The prompts: the
 which `grpo-kernels train` takes them), given to TRL in that order with shuffle_dataset=False; the ids TRL's own
 `_tokenize_prompts` makes of them are checked against ours before training. The reward: the task's, of the text
 TRL decodes; where TRL passes the completion ids, that text is checked against our decoding of them (a mismatch
-is counted in metrics.jsonl). Held-out success: `grpo_kernels.train.sampling.evaluate` with an `HFSampler` on TRL's
-model (one sampled answer per held-out prompt at the training temperature, the same seeds), before the first step
-and after every task.eval_every steps. TRL saves a checkpoint every checkpoint.every steps (the latest kept); a run
-that finds one resumes from it.
+is counted in metrics.jsonl). Held-out success: `grpo_kernels.train.rollout.sampling.evaluate` with an
+`HFSampler` on TRL's model (one sampled answer per held-out prompt at the training temperature, the same seeds), before
+the first step and after every task.eval_every steps. TRL saves a checkpoint every checkpoint.every steps (the latest
+kept); a run that finds one resumes from it.
 
 `--draw ours` swaps TRL's random stream for ours: its training rollouts are drawn with `grpo-kernels train`'s
 seeded Gumbel-max (`HFSampler`'s draw, the row seeds our trainer gives row j of prompt k at step t) instead of HF's
@@ -107,8 +107,8 @@ def seeded_draw(trainer, config) -> None:
     import torch
     from transformers import LogitsProcessorList
 
-    from grpo_kernels.train.sampler import SeededSampling, row_seed
-    from grpo_kernels.train.sampling import seed_for
+    from grpo_kernels.train.rollout.hf_sampler import SeededSampling, row_seed
+    from grpo_kernels.train.rollout.sampling import seed_for
 
     s, model = config.sampling, trainer.model
     generate, single_turn, training = model.generate, trainer._generate_single_turn, [False]
@@ -143,10 +143,10 @@ def run(run_dir: Path, overrides: list[str], draw: str = "hf", micro_rows: int |
     from datasets import Dataset
 
     from grpo_kernels.train.build import load_model, task_examples, task_rewards
-    from grpo_kernels.train.config_io import load_config
-    from grpo_kernels.train.sampler import HFSampler
-    from grpo_kernels.train.sampling import evaluate
-    from grpo_kernels.train.tasks import Example, PromptStream
+    from grpo_kernels.train.config.io import load_config
+    from grpo_kernels.train.data.tasks import Example, PromptStream
+    from grpo_kernels.train.rollout.hf_sampler import HFSampler
+    from grpo_kernels.train.rollout.sampling import evaluate
 
     config = load_config(None, overrides)
     refusal = trl_refusal(config)

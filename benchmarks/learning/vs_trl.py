@@ -18,9 +18,9 @@ global RNG: swaps of the random streams alone). One `TrainConfig` describes the 
 train` overrides, TRL's worker (benchmarks/learning/trl_worker.py) turns the same overrides into the same TrainConfig
 and reads every TRL option from it; a setting TRL cannot run the same way is refused with one line. Prompts: the same
 stream, in the same order, for both (the trainer's `PromptStream` of the run's seed). Held-out success:
-`grpo_kernels.train.sampling.evaluate` (one answer per held-out prompt, sampled at the training temperature with fixed
-seeds; `correct`, without the format bonus) on --eval-prompts prompts, before the first step and every --eval-every
-steps, for both.
+`grpo_kernels.train.rollout.sampling.evaluate` (one answer per held-out prompt, sampled at the training temperature
+with fixed seeds; `correct`, without the format bonus) on --eval-prompts prompts, before the first step and every
+--eval-every steps, for both.
 
 Every (trainer, loss type, seed) is one process, in --workdir (default ~/.cache/grpo-kernels/learning_vs_trl); with
 --cpus, as many run at once as CPUs are named, each pinned to its CPU with one thread, so both trainers are timed
@@ -389,7 +389,7 @@ def command_line(args, rows: list[dict]) -> str:
 
 def quick_model(workdir: Path) -> Path:
     """The tiny checkpoint with a chat template (the prompt as is), so TRL and ours encode the same ids."""
-    from grpo_kernels.train.hf_model import write_tiny_checkpoint
+    from grpo_kernels.train.model.hf import write_tiny_checkpoint
 
     directory = workdir / "tiny_chat"
     if not (directory / "config.json").exists():
@@ -452,7 +452,7 @@ def main(argv=None) -> int:
         if args.cpus:
             cpu_numbers(args.cpus, "learning-vs-trl")  # before any run
         from benchmarks.learning.trl_worker import checked_micro_rows, trl_refusal
-        from grpo_kernels.train.config_io import load_config
+        from grpo_kernels.train.config.io import load_config
 
         jobs = [(t, loss, seed) for seed in seeds for loss in args.loss_types.split(",")
                 for t in trainers]  # fmt: skip

@@ -241,11 +241,11 @@ def model_and_scratch(quick: bool, model: str) -> tuple[str, str, str]:
     """(model directory, its name in the CSV, scratch directory): --quick writes the tiny model into a fresh
     temporary directory (removed at the end of the run), else the known model or HF directory, scratch under OUT."""
     if quick:
-        from grpo_kernels.train.hf_model import write_tiny_checkpoint
+        from grpo_kernels.train.model.hf import write_tiny_checkpoint
 
         scratch = tempfile.mkdtemp(prefix="long-chains-")
         return str(write_tiny_checkpoint(Path(scratch) / "model")), "tiny", scratch
-    from grpo_kernels.train.models import resolve_model
+    from grpo_kernels.train.model.known import resolve_model
 
     return str(resolve_model(model) or model), Path(model).name, str(OUT / "scratch")
 

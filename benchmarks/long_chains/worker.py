@@ -249,11 +249,12 @@ def _trl_step(spec: dict, model_dir: str) -> dict:
 def _gk_step(spec: dict, model_dir: str) -> dict:
     import torch
 
-    from grpo_kernels.train import activation
-    from grpo_kernels.train.fsdp import init_distributed, shard
-    from grpo_kernels.train.hf_model import load_policy
-    from grpo_kernels.train.rollout import Rollout
-    from grpo_kernels.train.step import Policy, grpo_step
+    from grpo_kernels.train.model import activation
+    from grpo_kernels.train.model.fsdp import init_distributed, shard
+    from grpo_kernels.train.model.hf import load_policy
+    from grpo_kernels.train.model.policy import Policy
+    from grpo_kernels.train.rollout.batch import Rollout
+    from grpo_kernels.train.step import grpo_step
 
     provider, point = spec["provider"], spec["point"]
     sp = spec["sp"]

@@ -40,11 +40,11 @@ def batch(model_name: str, seed: int = 0):
     """(hidden [T, H], head [V, H], completion ids [T], cu_seqlens, rewards [N], G, temperature) of one rollout."""
     from grpo_kernels.packing import pack_sequences
     from grpo_kernels.train.build import load
-    from grpo_kernels.train.config_io import load_config
-    from grpo_kernels.train.sampler import HFSampler
-    from grpo_kernels.train.sampling import seed_for
+    from grpo_kernels.train.config.io import load_config
+    from grpo_kernels.train.data.tasks import PromptStream
+    from grpo_kernels.train.rollout.hf_sampler import HFSampler
+    from grpo_kernels.train.rollout.sampling import seed_for
     from grpo_kernels.train.step import sft_warmup
-    from grpo_kernels.train.tasks import PromptStream
 
     args = RUNS[model_name]
     path = Path(args[1]) if args[0] == "--config-file" else None

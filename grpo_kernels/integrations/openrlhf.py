@@ -45,8 +45,8 @@ import torch
 
 from .._checks import check_flag
 from ..fused_linear import fused_linear_logprobs
+from ..hf_head import backbone, check_plain_head, head_inputs, lm_head, logit_multiplier, logit_softcap
 from ..loss import grpo_loss
-from .hf import backbone, check_plain_head, head_inputs, lm_head, logit_multiplier, logit_softcap
 
 __all__ = ["FusedActorOutput", "POLICY_LOSS_TYPES", "PolicyLoss", "actor_log_probs", "use_grpo_kernels"]
 

@@ -69,9 +69,9 @@ from trl import GRPOTrainer
 from trl.trainer.utils import nanmax, nanmin
 
 from ..fused_linear import fused_linear_grpo_loss, fused_linear_logprobs
+from ..hf_head import backbone, check_plain_head, head_inputs, lm_head, logit_multiplier, logit_softcap
 from ..liger_compat import vespo_sampler_logps
 from ..options import LossOptions
-from .hf import backbone, check_plain_head, head_inputs, lm_head, logit_multiplier, logit_softcap
 from .trl_packing import PaddedLayout, pack_trl_batch, use_packed_attention
 
 __all__ = ["FusedGRPOTrainer", "check_config", "use_grpo_kernels"]

@@ -28,8 +28,8 @@ import sys
 import torch
 
 from ..attention import HF_ATTENTION_NAME, register_hf_attention
+from ..hf_head import backbone
 from ..packing import PackedBatch, pack_sequences
-from .hf import backbone
 
 __all__ = ["PackedLayout", "PaddedLayout", "pack_trl_batch", "packed_forward", "use_packed_attention"]
 

@@ -13,17 +13,18 @@ import math
 
 import torch
 
-from . import activation
-from .activation import decoder_blocks
-from .colocated import Colocated
 from .config import TrainConfig
-from .config_task import TaskConfig
-from .converters import apply_converters, make_converter, trainable_parameters
-from .fsdp import Dist, shard
-from .lengths import check_model_len, position_limit
-from .rewards import Rewards, load_reward_function
-from .step import Policy, sft_warmup
-from .tasks import CharTokenizer, Example, Task, make_task, tiny_model
+from .config.task import TaskConfig
+from .data.rewards import Rewards, load_reward_function
+from .data.tasks import CharTokenizer, Example, Task, make_task, tiny_model
+from .model import activation
+from .model.activation import decoder_blocks
+from .model.converters import apply_converters, make_converter, trainable_parameters
+from .model.fsdp import Dist, shard
+from .model.lengths import check_model_len, position_limit
+from .model.policy import Policy
+from .rollout.colocated import Colocated
+from .step import sft_warmup
 
 __all__ = ["Loaded", "RunParts", "build", "build_policy", "load", "load_model", "make_rollouts", "make_run_task",
            "task_examples", "task_rewards"]  # fmt: skip
@@ -109,8 +110,8 @@ def load_model(config: TrainConfig, *, attn_implementation: str | None = None):
                            num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                            attn_implementation=attn, seed=config.seed)  # fmt: skip
     else:
-        from .hf_model import load_policy
-        from .models import resolve_model
+        from .model.hf import load_policy
+        from .model.known import resolve_model
 
         path = resolve_model(m.name) or m.name
         model, tok = load_policy(path, dtype="float32", attn_implementation=attn)
@@ -178,7 +179,7 @@ def make_rollouts(config: TrainConfig, model, inputs: Loaded, d: Dist, run_dir, 
     """The run's `RolloutSource`, made from the model before it is sharded: rollout servers (decoupled; started by
     rank 0) or the trainer's own sampler (colocated)."""
     if config.sampling.placement == "decoupled":
-        from .decoupled import Decoupled  # imports vLLM (its weight-transfer API): only here
+        from .rollout.decoupled import Decoupled  # imports vLLM (its weight-transfer API): only here
 
         return Decoupled.open(config, model, inputs, d, run_dir, log)
     return Colocated(config, model, inputs, d)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .fsdp import Dist
+from .model.fsdp import Dist
 
 # torch.distributed.checkpoint is imported where a checkpoint is saved or loaded, not with this module: it pulls in
 # DTensor and sympy (~1.7 s of CPU), which every `grpo-kernels train` process paid at start-up, checkpointing or not.

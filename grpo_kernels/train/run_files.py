@@ -13,9 +13,9 @@ from pathlib import Path
 
 from .checkpoint import CheckpointError, config_changes, latest_checkpoint, list_checkpoints, verify_checkpoint
 from .config import TrainConfig
-from .config_io import save_config, to_dict
-from .fsdp import Dist, all_gather_objects
-from .rollout import Rollout
+from .config.io import save_config, to_dict
+from .model.fsdp import Dist, all_gather_objects
+from .rollout.batch import Rollout
 from .tracking import Trackers
 
 __all__ = ["RunLog", "check_run_dir", "log_file", "resume_point"]

@@ -4,7 +4,7 @@ gradient accumulation -> clip -> optimizer step (repeated num_iterations times o
 The loss of the whole step equals grpo_loss on the whole (global) batch: dapo/cispo divide by the step's
 completion tokens (num_items_in_batch), grpo/sapo weight each micro-batch by its share of the sequences,
 bnpo/dr_grpo average the micro-batches (TRL's gradient-accumulation convention). Under data parallelism every
-rank holds the whole rollout (grpo_kernels.train.fsdp), so these normalizers are global; each rank runs its own
+rank holds the whole rollout (grpo_kernels.train.model.fsdp), so these normalizers are global; each rank runs its own
 micro-batches of `plan_micro_batches(..., num_ranks=world)` and an all-zero stand-in where its plan is empty, so
 every rank makes the same number of forward/backward calls. Under sequence parallelism (dist.sp = N) the plan is
 per data-parallel group with N x token_budget tokens per micro-batch, and each rank of a group runs its contiguous
@@ -16,79 +16,14 @@ import time
 
 import torch
 
-from ..attention import HF_ATTENTION_NAME
-from ..fused_linear import fused_linear_grpo_loss, fused_linear_logprobs
-from ..integrations.hf import check_plain_head, logit_multiplier, logit_softcap
-from ..loss import grpo_loss
 from ..packing import pack_sequences
 from ..planner import plan_micro_batches
-from ..sequence_parallel import shard_packed
-from .fsdp import SINGLE, Dist, all_reduce_max, all_reduce_sum
-from .lengths import step_metrics
-from .rollout import Rollout
+from .model.fsdp import SINGLE, Dist, all_reduce_max, all_reduce_sum
+from .model.lengths import step_metrics
+from .model.policy import Policy, completion_logprobs, run_policy
+from .rollout.batch import Rollout
 
 __all__ = ["Policy", "completion_logprobs", "grpo_step", "sft_warmup"]
-
-
-class Policy(torch.nn.Module):
-    """A causal LM with the fused LM-head loss inside its forward, never building logits.
-
-    FSDP2 unshards a module's own parameters around its forward, so wrapping the loss in the root module is what
-    lets the fused kernels read the full LM-head weight (and send its gradient back to the shards).
-    compute_dtype: hidden states and head weight are cast to it before the loss (bf16 under autocast)."""
-
-    def __init__(self, model: torch.nn.Module, *, compute_dtype: torch.dtype | None = None):
-        super().__init__()
-        self.model = model
-        self.compute_dtype = compute_dtype
-        check_plain_head(model)  # the head's logits: h W^T + b, scaled (into the temperature) or soft-capped
-        self.logit_scale, self.softcap = logit_multiplier(model.config), logit_softcap(model.config)
-
-    def forward(self, inputs: dict, logit_rows: torch.Tensor, completion_ids: torch.Tensor,
-                advantages: torch.Tensor | None = None, *, temperature: float, **loss_options):  # fmt: skip
-        """Per-token log-probs of completion_ids (advantages None), else (loss, metrics) of the fused loss.
-
-        inputs holding "sequence_parallel" (a SequenceShard): logit_rows / completion_ids are the shard's own; the
-        log-probs are gathered over the group and the loss computed from the whole row's on every rank."""
-        shard = inputs.get("sequence_parallel")
-        h = self.model.base_model(**inputs).last_hidden_state[0][logit_rows]
-        lm_head = self.model.get_output_embeddings()
-        dtype = self.compute_dtype or lm_head.weight.dtype
-        h, head = h.to(dtype), lm_head.weight.to(dtype)
-        bias = None if lm_head.bias is None else lm_head.bias.to(dtype)
-        kw = dict(bias=bias, temperature=temperature / self.logit_scale, softcap=self.softcap)
-        if shard is not None:
-            logps = shard.gather(fused_linear_logprobs(h, head, completion_ids, **kw))
-            if advantages is None:
-                return logps
-            old = loss_options.pop("old_logps", None)
-            return grpo_loss(logps, old, advantages, **loss_options)
-        if advantages is None:
-            return fused_linear_logprobs(h, head, completion_ids, **kw)
-        return fused_linear_grpo_loss(h, head, completion_ids, advantages, **kw, **loss_options)
-
-
-def _run(policy, packed, advantages=None, *, dist: Dist = SINGLE, **options):
-    """The policy on a packed micro-batch: whole, or this rank's shard of it under sequence parallelism."""
-    if packed.prefix_groups is not None:
-        attn = getattr(policy.model.config, "_attn_implementation", None)
-        if attn != HF_ATTENTION_NAME:  # HF's own packing detection splits at position 0 only: groups would mix
-            raise ValueError(f"a shared-prefix packed batch needs attn_implementation={HF_ATTENTION_NAME!r}; this "
-                             f"model runs {attn!r}, whose completions of a group would attend to each other (pack "
-                             "with shared_prefix=False, or load the model with grpo_varlen)")  # fmt: skip
-    if dist.sp > 1:
-        shard = shard_packed(packed, group=dist.sp_group)
-        return policy(shard.model_kwargs(), shard.logit_rows, shard.completion_ids, advantages, **options)
-    return policy(packed.model_kwargs(), packed.logit_rows, packed.completion_ids, advantages, **options)
-
-
-def completion_logprobs(policy, packed, *, temperature: float, dist: Dist = SINGLE) -> torch.Tensor:
-    """Per-completion-token log-probs of a packed batch under a Policy (or a bare HF model); no grad, no logits.
-    Under sequence parallelism (dist.sp > 1) every rank of the group gets the whole batch's log-probs."""
-    if not isinstance(policy, Policy):
-        policy = Policy(policy)
-    with torch.no_grad():
-        return _run(policy, packed, temperature=temperature, dist=dist)
 
 
 def _micro_batches(rollout, lengths, *, token_budget, shared_prefix, algorithm, dist):
@@ -125,7 +60,7 @@ def grpo_step(policy, optimizer, rollout: Rollout, *, loss_options: dict, temper
     num_iterations > 1. loss_options["sampler_is_mode"] turns on the importance-sampling correction with the
     rollout's sampler log-probs. The completions in `rollout.masked` (`Rollout.mask_truncated`: TRL's
     mask_truncated_completions) get a loss mask of 0. The metrics include the length statistics of
-    grpo_kernels.train.lengths.step_metrics (completion_length_min/median/max, truncated_fraction,
+    grpo_kernels.train.model.lengths.step_metrics (completion_length_min/median/max, truncated_fraction,
     packing_efficiency)."""
     if not isinstance(policy, Policy):
         policy = Policy(policy)
@@ -171,7 +106,7 @@ def grpo_step(policy, optimizer, rollout: Rollout, *, loss_options: dict, temper
                 if masks[k] is not None:
                     extra["mask"] = masks[k]
                 advantages = (adv.advantages[samples] if samples else torch.zeros(1)).to(dist.device)
-                loss, m = _run(policy, packed, advantages, temperature=temperature, dist=dist,
+                loss, m = run_policy(policy, packed, advantages, temperature=temperature, dist=dist,
                                cu_seqlens=packed.completion_cu_seqlens, old_logps=None if old is None else old[k],
                                ref_logps=None if ref is None else ref[k], **options, **extra)  # fmt: skip
                 share = len(samples) / n

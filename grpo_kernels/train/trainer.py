@@ -6,7 +6,7 @@ micro-batches, the fused LM-head loss) -> push the new weights to the sampler ->
     grpo-kernels train --resume RUN_DIR                                # continue from its latest checkpoint
     grpo-kernels train --resume RUN_DIR --checkpoint.resume_step=N     # ... from checkpoints/step_N instead
 
-Data parallelism: see grpo_kernels.train.fsdp (every rank samples its share of the groups, then all ranks hold
+Data parallelism: see grpo_kernels.train.model.fsdp (every rank samples its share of the groups, then all ranks hold
 the whole rollout). Group size control: `group_size.adaptive` raises G (grpo_kernels.train.group_size) when the
 invalid-group rate of the last steps exceeds the threshold; `group_size.dynamic_sampling` drops invalid groups and
 samples more prompts (at most `max_resample_rounds` more rounds) to fill the batch.
@@ -29,11 +29,11 @@ from . import preflight
 from .build import RunParts, build
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig
-from .config_io import to_dict
-from .fsdp import Dist, init_distributed
+from .config.io import to_dict
 from .group_size import AdaptiveGroupSize
+from .model.fsdp import Dist, init_distributed
+from .rollout.sampling import HeldOut, standard_error, with_standard_error
 from .run_files import RunLog, resume_point
-from .sampling import HeldOut, standard_error, with_standard_error
 from .step import grpo_step
 
 __all__ = ["TIMING_METRICS", "train"]

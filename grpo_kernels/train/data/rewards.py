@@ -7,7 +7,7 @@ A spec is "module.path:function" or "path/to/file.py:function" (a file's folder 
 its neighbours; a relative path was resolved when the config loaded: against the config file's folder, or the
 working directory for a command-line override). A file without ":function" means verl's default, `compute_score`.
 The names of the built-in rewards ("exact", "numeric", "math_verify", "arith_correct", "arith_format":
-grpo_kernels.train.rewards_builtin) are specs too.
+grpo_kernels.train.data.rewards_builtin) are specs too.
 
 TRL's calling convention: keyword arguments `prompts`, `completions`, `completion_ids` (one entry per completion),
 every other column of the examples as a list (the built-in tasks have one, `answer`), `trainer_state` (its
@@ -49,7 +49,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from .config_task import is_file_spec, resolve_spec
+from ..config.task import is_file_spec, resolve_spec
 from .rewards_builtin import BUILTIN, completion_text
 
 __all__ = ["BUILTIN", "RewardError", "RewardFunction", "Rewards", "load_reward_function", "resolve_spec"]

@@ -6,7 +6,7 @@
     jsonl     {"prompt": ..., "answer": ...} lines from a file, for real models and tokenizers; the prompt is text
               or TRL's conversational form, a list of {"role", "content"} messages
 
-Each task brings its rewards as named reward functions in TRL's form (grpo_kernels.train.rewards): "exact" (match
+Each task brings its rewards as named reward functions in TRL's form (grpo_kernels.train.data.rewards): "exact" (match
 after stripping whitespace), "numeric" (the same number), "math_verify" (the JSONL task, when installed and asked
 for), and arith's "arith_correct" plus "arith_format" weighted by its format bonus. `task.reward_funcs` replaces them
 with the user's own; the run's `Rewards` (grpo_kernels.train.build.task_rewards) score a task's completions and are
@@ -18,7 +18,7 @@ import random
 import string
 
 from . import rewards_builtin
-from .data import Example, examples_from_rows, load_jsonl, load_rows
+from .datasets import Example, examples_from_rows, load_jsonl, load_rows
 
 __all__ = [
     "ArithTask", "CharTokenizer", "Example", "PromptStream", "Task", "exact_match", "load_jsonl", "make_task",
@@ -187,8 +187,8 @@ class JsonlTask(Task):
 
 
 class DatasetTask(Task):
-    """Examples of a dataset (grpo_kernels.train.data.load_rows): the prompt column, the answer column when named,
-    every other column for the reward functions. Split without overlap: `split_examples` holds out the first
+    """Examples of a dataset (grpo_kernels.train.data.datasets.load_rows): the prompt column, the answer column when
+    named, every other column for the reward functions. Split without overlap: `split_examples` holds out the first
     num_eval examples of the split shuffled by the seed, unless eval_split names a split of its own."""
 
     name = "dataset"
@@ -294,7 +294,7 @@ def tiny_model(vocab_size: int, *, hidden_size=128, num_layers=2, num_heads=4, n
     if head_dim < 32:
         raise ValueError(f"head_dim must be >= 32, got {head_dim}")
     if attn_implementation == "grpo_varlen":
-        from ..attention import register_hf_attention
+        from ...attention import register_hf_attention
 
         register_hf_attention()
     config = transformers.Qwen2Config(

@@ -27,7 +27,7 @@ from typing import ClassVar
 
 import torch
 
-from .converters import hf_named_weights
+from ..model.converters import hf_named_weights
 
 __all__ = ["GLOO_BACKEND", "WeightSync", "bucket_plan", "register_vllm_plugin"]
 

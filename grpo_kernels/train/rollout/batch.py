@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..advantages import group_advantages
-from ..types import GroupAdvantages
+from ...advantages import group_advantages
+from ...types import GroupAdvantages
 
 __all__ = ["Rollout"]
 

@@ -1,5 +1,5 @@
 """Loading and saving the trainer's configuration: TOML files plus `section.field=value` overrides (see
-grpo_kernels/train/config.py for the sections and the format)."""
+grpo_kernels/train/config/__init__.py for the sections and the format)."""
 
 from pathlib import Path
 
@@ -10,9 +10,9 @@ except ModuleNotFoundError:  # Python 3.10
 
 from dataclasses import MISSING, fields
 
-from .config import TrainConfig, section_classes
-from .config_fields import field_types, parse_value
-from .config_task import resolve_spec
+from . import TrainConfig, section_classes
+from .schema import field_types, parse_value
+from .task import resolve_spec
 
 
 def _lookup(section: str, name: str | None):
@@ -148,8 +148,8 @@ def field_docs(cls) -> dict[str, str]:
     import ast
     import inspect
 
-    from ..options import LossOptions
-    from .config import LossConfig
+    from ...options import LossOptions
+    from . import LossConfig
 
     source = LossOptions if cls is LossConfig else cls
     body = ast.parse(inspect.cleandoc("\n" + inspect.getsource(source))).body[0].body
@@ -166,7 +166,7 @@ def describe(section: str | None = None) -> str:
     `grpo-kernels train --help-config [SECTION]` prints. ValueError listing the sections for an unknown one."""
     import textwrap
 
-    from .config_fields import describe_type
+    from .schema import describe_type
 
     sections = section_classes()
     if section is not None and section not in sections:

@@ -1,5 +1,5 @@
 """`sampling.placement = "decoupled"`: the trainer's side of rollout servers on their own devices, a `RolloutSource`
-(train/rollout_source.py).
+(train/rollout/source.py).
 
     rollouts = Decoupled.open(config, model, inputs, d, run_dir, log)
                                                                        # before sharding: the servers' model
@@ -31,14 +31,14 @@ from urllib.parse import urlparse
 
 import torch
 
-from ..packing import pack_sequences
-from .fsdp import SINGLE, all_gather_objects
-from .preflight import parse_cores
-from .rollout_server import RolloutServer, RolloutServerError, ServerClient, ServerSampler, free_port
+from ...packing import pack_sequences
+from ..config.sampling import parse_cores
+from ..data.tasks import PromptStream
+from ..model.fsdp import SINGLE, all_gather_objects
+from ..model.hf import checkpoint_weight_names, save_hf_model
+from ..model.policy import completion_logprobs
 from .sampling import HeldOut, collect, held_out
-from .step import completion_logprobs
-from .tasks import PromptStream
-from .vllm_sampler import checkpoint_weight_names, save_hf_model
+from .server import RolloutServer, RolloutServerError, ServerClient, ServerSampler, free_port
 
 __all__ = ["Decoupled", "RolloutPipeline", "RolloutServerError"]
 

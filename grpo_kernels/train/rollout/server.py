@@ -1,5 +1,5 @@
 """Decoupled rollouts: vLLM servers (`vllm serve`, i.e. vllm.entrypoints.openai.api_server) on their own devices,
-sampled over HTTP, their weights replaced after every optimizer step (grpo_kernels.train.weight_transfer).
+sampled over HTTP, their weights replaced after every optimizer step (grpo_kernels.train.rollout.weight_transfer).
 
     servers = [RolloutServer(model_dir, port=p, devices="2,3", tensor_parallel_size=2).start() for p in ports]
     clients = [ServerClient(s.url, process=s) for s in servers]         # or ServerClient(url) for one you started
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from .rollout import Rollout
+from .batch import Rollout
 from .vllm_sampler import as_ids, check_sampling, checked_prompts, request_seed, truncated
 
 __all__ = ["RolloutServer", "RolloutServerError", "ServerClient", "ServerSampler", "TemperatureExtension", "free_port"]
@@ -247,7 +247,7 @@ class TemperatureExtension:
 
     def grpo_set_temperature(self, temperature: str) -> bool:
         """Sample at temperature T with requests at temperature 1: the logits processor's scale becomes its
-        original value / T (VLLMSampler's trick, see grpo_kernels.train.vllm_sampler). Idempotent."""
+        original value / T (VLLMSampler's trick, see grpo_kernels.train.rollout.vllm_sampler). Idempotent."""
         head = getattr(self.model_runner.get_model(), "logits_processor", None)
         if not isinstance(getattr(head, "scale", None), float):
             return False

@@ -28,10 +28,11 @@ from pathlib import Path
 
 import torch
 
-from ..attention import HF_ATTENTION_NAME, check_packed_attention, check_packed_config, register_hf_attention
-from .tasks import CharTokenizer, tiny_model
+from ...attention import HF_ATTENTION_NAME, check_packed_attention, check_packed_config, register_hf_attention
+from ..data.tasks import CharTokenizer, tiny_model
+from .converters import hf_state_dict
 
-__all__ = ["HFTokenizer", "load_policy", "write_tiny_checkpoint"]
+__all__ = ["HFTokenizer", "checkpoint_weight_names", "load_policy", "save_hf_model", "write_tiny_checkpoint"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Files that hold a tokenizer's vocabulary (fast, sentencepiece, BPE, WordPiece). Without any of them, transformers 5
@@ -274,3 +275,35 @@ def _char_tokenizer(chars: CharTokenizer):
     pad, bos, eos = chars.SPECIALS
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=pad, bos_token=bos, eos_token=eos,
                                    clean_up_tokenization_spaces=False)  # fmt: skip
+
+
+def save_hf_model(model, directory) -> Path:
+    """Write a transformers model as a directory vLLM loads (config.json + model.safetensors); returns its path.
+
+    Written here rather than by `save_pretrained`, which writes nothing on ranks other than 0 under torch.distributed,
+    while every rank starts its own sampler."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(directory)
+    state = {name: t.detach().contiguous() for name, t in hf_state_dict(model).items()}  # (a converted model's too)
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # the checkpoint convention: one copy of a tied matrix
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+def checkpoint_weight_names(directory) -> set:
+    """Tensor names of the safetensors checkpoint in a directory (single file or sharded with an index)."""
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    single = directory / "model.safetensors"
+    if not single.is_file():
+        raise ValueError(f"{directory} has no model.safetensors (nor an index of shards): save_hf_model writes one")
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt") as f:
+        return set(f.keys())

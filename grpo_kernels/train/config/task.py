@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from .config_fields import check, validate
+from .schema import check, validate
 
 __all__ = ["TASK_NAMES", "TaskConfig", "is_file_spec", "resolve_spec"]
 
@@ -67,7 +67,7 @@ class TaskConfig:
     reward_funcs: tuple[str, ...] = ()
     """Your own reward functions, replacing the task's: "module.path:function" or "path/to/file.py:function" (a
     relative file path resolves against the config file's folder, or the working directory for a command-line
-    override), TRL's calling convention or verl's compute_score (grpo_kernels.train.rewards); the built-in rewards
+    override), TRL's calling convention or verl's compute_score (grpo_kernels.train.data.rewards); the built-in rewards
     by name: "exact", "numeric", "math_verify", "arith_correct", "arith_format". Empty = the task's own."""
     reward_weights: tuple[float, ...] | None = None
     """One weight per reward function (the step's reward is the weighted sum, None skipped); None = 1 each."""

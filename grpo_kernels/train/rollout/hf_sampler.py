@@ -17,7 +17,7 @@ runs, so they never change the draw.
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from .rollout import Rollout
+from .batch import Rollout
 
 __all__ = ["HFSampler", "Rollout"]
 

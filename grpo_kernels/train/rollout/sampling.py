@@ -6,9 +6,9 @@ import math
 import warnings
 from typing import NamedTuple
 
-from .config import TrainConfig
-from .fsdp import SINGLE, Dist, all_gather_objects
-from .rollout import Rollout
+from ..config import TrainConfig
+from ..model.fsdp import SINGLE, Dist, all_gather_objects
+from .batch import Rollout
 
 __all__ = ["HeldOut", "collect", "evaluate", "held_out", "sample_scored", "seed_for", "standard_error",
            "with_standard_error"]  # fmt: skip

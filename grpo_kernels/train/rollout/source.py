@@ -8,15 +8,15 @@ asks which kind it is.
     result = rollouts.evaluate()                          # the held-out evaluation
     rollouts.close()                                      # on every exit path
 
-Two implementations: `Colocated` (train/colocated.py: the HF sampler or an in-process vLLM engine on every rank)
-and `Decoupled` (train/decoupled.py: rollout servers, sampled by rank 0, staleness-bounded).
+Two implementations: `Colocated` (train/rollout/colocated.py: the HF sampler or an in-process vLLM engine on every rank)
+and `Decoupled` (train/rollout/decoupled.py: rollout servers, sampled by rank 0, staleness-bounded).
 """
 
 from collections.abc import Callable
 from typing import Protocol
 
+from ..data.tasks import PromptStream
 from .sampling import HeldOut
-from .tasks import PromptStream
 
 __all__ = ["RolloutSource"]
 

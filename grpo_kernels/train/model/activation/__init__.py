@@ -1,6 +1,6 @@
 """Activation memory, in one home: how a run's decoder blocks keep (or recompute) what the backward needs.
 
-    from grpo_kernels.train import activation
+    from grpo_kernels.train.model import activation
     mode, blocks, line = activation.apply(model, mode="auto", tokens=16384, completion_tokens=1024, dtype_bytes=2)
 
 One knob, `model.activation_checkpointing` ("none", "selective", "blocks", "offload" or "auto"), plus

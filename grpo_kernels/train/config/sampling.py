@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 from urllib.parse import urlparse
 
-from .config_fields import check, validate
+from .schema import check, validate
 
-__all__ = ["MIN_TEMPERATURE", "SamplingConfig"]
+__all__ = ["MIN_TEMPERATURE", "SamplingConfig", "parse_cores"]
 
 MIN_TEMPERATURE = 1e-3
 
@@ -35,8 +35,8 @@ class SamplingConfig:
     the model's whole context, may allocate a KV cache that does not fit). Must hold the longest prompt +
     max_new_tokens and be at most the model's max_position_embeddings (checked when the model is loaded). On CPU,
     vLLM's cache is VLLM_CPU_KVCACHE_SPACE GiB: it needs max_model_len tokens to start, G x max_model_len to sample a
-        group at once (grpo_kernels.train.lengths.kv_cache_gib; SmolLM2-135M in float32 takes 45 KiB a token, so G = 8
-    completions of 8,000 tokens want VLLM_CPU_KVCACHE_SPACE=3)."""
+    group at once (grpo_kernels.train.model.lengths.kv_cache_gib; SmolLM2-135M in float32 takes 45 KiB a token, so
+    G = 8 completions of 8,000 tokens want VLLM_CPU_KVCACHE_SPACE=3)."""
     mask_truncated_completions: bool = False
     """Leave truncated completions (see max_new_tokens) out of the loss, as TRL's GRPOConfig option of that name:
     their tokens get mask 0, so they add nothing to the loss and count in no token normalizer (dapo/cispo/vespo's
@@ -157,3 +157,18 @@ class SamplingConfig:
             seen[key] = i
             out.append(url)
         return out
+
+
+def parse_cores(text: str, cores: list) -> list:
+    """One server's CPU cores from sampling.server_devices ("0-3,8"), each of them among this process's `cores`."""
+    out = []
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        try:
+            out += list(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            raise ValueError(f"sampling.server_devices: {text!r} is not a list of CPU cores like 0-3,8") from None
+    if not set(out) <= set(cores):
+        raise ValueError(f"sampling.server_devices: cores {sorted(set(out) - set(cores))} are not this process's "
+                         f"({cores})")  # fmt: skip
+    return out

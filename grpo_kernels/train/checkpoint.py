@@ -40,7 +40,8 @@ FORMAT = 1
 
 RUN_NEUTRAL_FIELDS = (
     "logging.run_dir", "logging.log_every", "logging.tensorboard", "logging.report_to", "logging.project",
-    "logging.run_name", "checkpoint.every", "checkpoint.keep_last",
+    "logging.run_name", "checkpoint.every", "checkpoint.keep_last", "export.at_end", "export.every", "export.dtype",
+    "export.max_shard_size",
     "checkpoint.resume",
     "checkpoint.resume_step", "checkpoint.allow_config_change", "distributed.backend", "distributed.sequence_parallel",
     "model.activation_checkpointing", "model.activation_memory_gb", "model.mlp_tile_tokens",

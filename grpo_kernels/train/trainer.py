@@ -20,8 +20,10 @@ with the run's (a field that changes the run is an error unless `checkpoint.allo
 import contextlib
 import dataclasses
 import json
+import shlex
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -30,7 +32,9 @@ from .build import RunParts, build
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .config.io import to_dict
+from .config.run import parse_size
 from .group_size import AdaptiveGroupSize
+from .model.export import export_dtype, export_model, model_card
 from .model.fsdp import Dist, init_distributed
 from .rollout.sampling import HeldOut, standard_error, with_standard_error
 from .run_files import RunLog, resume_point
@@ -124,6 +128,7 @@ class _Run:
             self._report(step, metrics, batch["rollout"])
             reached = self._evaluate_if_due(step)
             self._checkpoint_if_due(step, batch["prompt_state"], last=reached)
+            self._export_if_due(step, last=reached)
             if reached:
                 steps = step + 1
                 break
@@ -266,6 +271,21 @@ class _Run:
                         ref_policy=self.step_options["ref_policy"], trainer_state=state, d=self.d,
                         config=to_dict(self.config), keep=self.config.checkpoint.keep_last)  # fmt: skip
 
+    def _export_if_due(self, step: int, *, last: bool) -> None:
+        """<run_dir>/model/ every export.every steps (the end's export writes the last)."""
+        every = self.config.export.every
+        if every and (step + 1) % every == 0 and step + 1 != self.config.optim.steps and not last:
+            self._export()
+
+    def _export(self, summary: dict | None = None) -> Path:
+        """The policy as a Hugging Face directory, <run_dir>/model/ (every rank: the shards are gathered)."""
+        e, parts = self.config.export, self.parts
+        card = model_card(self.config, summary or {}, rewards=parts.rewards, tok=parts.tok,
+                          command=_command())  # fmt: skip
+        return export_model(parts.policy.model, parts.tok, self.run_dir / "model", dtype=export_dtype(self.config),
+                            max_shard_bytes=parse_size(e.max_shard_size), card=card, stop_ids=parts.tok.stop_ids,
+                            d=self.d)  # fmt: skip
+
     def _finish(self, steps: int, *, reached_target: bool) -> dict:
         """The final held-out evaluation (the loop's own when it ran after the last step: the weights have not
         changed since) and summary.json; then every rank waits for the others (train()'s stack closes the rest:
@@ -279,6 +299,8 @@ class _Run:
                    "group_size": self.config.sampling.group_size, "world_size": d.world,
                    "seconds": time.perf_counter() - self.started, "eval_s_total": self.held.seconds, **self.totals,
                    "target_success": self.config.task.target_success, "reached_target": reached_target}  # fmt: skip
+        if self.config.export.at_end:
+            self.log(f"model: {self._export(summary)}")
         if d.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         self.log(f"held-out success after {steps} steps: {with_standard_error(final_eval, n)} "
@@ -286,6 +308,12 @@ class _Run:
         if d.distributed:
             torch.distributed.barrier()
         return summary
+
+
+def _command() -> str:
+    """The command line that started this process, as a user would type it."""
+    name = Path(sys.argv[0]).name
+    return shlex.join(["grpo-kernels" if name in ("cli.py", "__main__.py") else name, *sys.argv[1:]])
 
 
 def _eval_means(means: dict) -> dict:

@@ -41,15 +41,15 @@ from typing import ClassVar
 
 from ...options import LossOptions
 from ...planner import ALGORITHMS
-from .run import REPORT_TO, CheckpointConfig, DistributedConfig, LoggingConfig, report_to_names
+from .run import REPORT_TO, CheckpointConfig, DistributedConfig, ExportConfig, LoggingConfig, report_to_names
 from .sampling import SamplingConfig
 from .schema import check, field_types, typed_value, validate
 from .task import TaskConfig
 
 __all__ = [  # (load_config, save_config, to_dict and describe: grpo_kernels.train.config.io)
-    "REPORT_TO", "CheckpointConfig", "DistributedConfig", "GroupSizeConfig", "LoggingConfig", "LossConfig",
-    "ModelConfig", "OptimConfig", "PackingConfig", "SamplingConfig", "TaskConfig", "TrainConfig", "for_device",
-    "report_to_names",
+    "REPORT_TO", "CheckpointConfig", "DistributedConfig", "ExportConfig", "GroupSizeConfig", "LoggingConfig",
+    "LossConfig", "ModelConfig", "OptimConfig", "PackingConfig", "SamplingConfig", "TaskConfig", "TrainConfig",
+    "for_device", "report_to_names",
 ]  # fmt: skip
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -248,6 +248,8 @@ class TrainConfig:
     """Metrics."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints and resuming."""
+    export: ExportConfig = field(default_factory=ExportConfig)
+    """The trained model as a Hugging Face directory (<run_dir>/model/)."""
 
     def __post_init__(self):
         self.seed = typed_value("seed", int, self.seed)

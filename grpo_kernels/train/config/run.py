@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from .schema import check, validate
 
-__all__ = ["REPORT_TO", "CheckpointConfig", "DistributedConfig", "LoggingConfig", "report_to_names"]
+__all__ = ["REPORT_TO", "CheckpointConfig", "DistributedConfig", "ExportConfig", "LoggingConfig", "report_to_names"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -102,3 +102,51 @@ class CheckpointConfig:
         if self.resume_step is not None:
             check(self, "resume_step", self.resume_step >= 1, ">= 1")
             check(self, "resume_step", self.resume is not None, "none unless checkpoint.resume is set")
+
+
+SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+              "TIB": 2**40}  # fmt: skip
+
+
+def parse_size(text) -> int:
+    """Bytes of "5GB", "500MB", "2GiB" (save_pretrained's max_shard_size units) or of an int; ValueError otherwise."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    s = str(text).strip().upper().replace(" ", "")
+    number = s.rstrip("KMGTIB")
+    unit = s[len(number):] or "B"
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in SIZE_UNITS or not value > 0:
+        raise ValueError(f"a size is a positive number of bytes, KB, MB, GB, KiB, MiB or GiB, got {text!r}")
+    return int(value * SIZE_UNITS[unit])
+
+
+@dataclass(kw_only=True, slots=True)
+class ExportConfig:
+    section: ClassVar[str] = "export"
+
+    at_end: bool = True
+    """Write the trained model to <run_dir>/model/ when the run ends: a Hugging Face directory (config, safetensors,
+    generation config, the tokenizer with its chat template, a model card) that transformers and `vllm serve` load
+    without this package."""
+    every: int = 0
+    """Also write it every this many steps (the latest replaces the one before); 0 = only at the end."""
+    dtype: str = "auto"
+    """The weights' dtype: "auto" (the training compute dtype: model.dtype), "bfloat16" or "float32" (the fp32
+    master weights)."""
+    max_shard_size: str = "5GB"
+    """Above this size the weights are split into shards with an index (save_pretrained's max_shard_size: "5GB",
+    "500MB", "2GiB", or bytes)."""
+
+    def __post_init__(self):
+        validate(self, at_least={"every": 0}, choices={"dtype": ("auto", "bfloat16", "float32")})
+        try:
+            parse_size(self.max_shard_size)
+            ok = True
+        except ValueError:
+            ok = False
+        check(self, "max_shard_size", ok, 'a size such as "5GB", "500MB" or "2GiB"')
+

@@ -32,7 +32,8 @@ from ...attention import HF_ATTENTION_NAME, check_packed_attention, check_packed
 from ..data.tasks import CharTokenizer, tiny_model
 from .converters import hf_state_dict
 
-__all__ = ["HFTokenizer", "checkpoint_weight_names", "load_policy", "save_hf_model", "write_tiny_checkpoint"]
+__all__ = ["HFTokenizer", "char_tokenizer", "checkpoint_weight_names", "load_policy", "save_hf_model",
+           "write_tiny_checkpoint"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Files that hold a tokenizer's vocabulary (fast, sentencepiece, BPE, WordPiece). Without any of them, transformers 5
@@ -259,11 +260,11 @@ def write_tiny_checkpoint(directory, *, hidden_size=128, num_layers=2, num_heads
                            num_kv_heads=num_kv_heads, head_dim=head_dim, attn_implementation="sdpa",
                            seed=seed)  # fmt: skip
     model.save_pretrained(directory)
-    _char_tokenizer(chars).save_pretrained(directory)
+    char_tokenizer(chars).save_pretrained(directory)
     return directory
 
 
-def _char_tokenizer(chars: CharTokenizer):
+def char_tokenizer(chars: CharTokenizer):
     """A PreTrainedTokenizerFast with CharTokenizer's ids: one WordLevel token per character, spaces included."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -10,6 +10,8 @@ fp64 reference, and compares the measured invalid-group rate with p^G + (1 - p)^
 """
 
 import argparse
+import shlex
+import sys
 import time
 
 import torch
@@ -91,6 +93,10 @@ def main(argv: list[str] | None = None) -> None:
     sr.add_argument("--weight-transfer", default="auto", choices=["auto", "gloo", "nccl"])
     sr.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     sr.add_argument("--print-command", action="store_true", help="print the server's command and exit")
+    ex = sub.add_parser("export", help="a run's checkpoint as a Hugging Face directory (transformers, vllm serve)")
+    ex.add_argument("source", help="a run directory (its latest checkpoint) or a checkpoint directory")
+    ex.add_argument("out", help="the directory to write (replaced if it exists)")
+    ex.add_argument("--step", type=int, default=None, help="checkpoints/step_<N> of the run directory instead")
     pl = sub.add_parser("plot", help="PNGs of a training run (reward, invalid groups vs theory, throughput)")
     pl.add_argument("run_dir")
     sub.add_parser("group-size-study", add_help=False, help="invalid groups, gradient noise and reward vs G "
@@ -141,6 +147,16 @@ def main(argv: list[str] | None = None) -> None:
             print(prepare_model(args.name, out=args.out))
         except ValueError as exc:
             raise SystemExit(f"grpo-kernels prepare-model: error: {exc}") from None
+    elif args.command == "export":
+        if overrides:
+            parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+        from .train.checkpoint_export import export_checkpoint
+
+        command = shlex.join(["grpo-kernels", *(argv if argv is not None else sys.argv[1:])])
+        try:
+            print(export_checkpoint(args.source, args.out, step=args.step, command=command))
+        except ValueError as exc:  # (a damaged checkpoint's CheckpointError too)
+            raise SystemExit(f"grpo-kernels export: error: {exc}") from None
     elif args.command == "plot":
         from .train.plot import plot_run
 
@@ -156,7 +172,6 @@ def main(argv: list[str] | None = None) -> None:
 def serve_rollout(args: argparse.Namespace) -> None:
     """Replace this process with a rollout server (the command the trainer runs for the servers it starts)."""
     import os
-    import shlex
 
     from .train.rollout.server import RolloutServer
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from grpo_kernels.train.build import build
+from grpo_kernels.train.build import build, load
 from grpo_kernels.train.config.io import load_config
 from grpo_kernels.train.model import export
 from grpo_kernels.train.model.converters import hf_state_dict
@@ -159,3 +159,40 @@ def test_export_options_are_checked():
     from grpo_kernels.train.config.run import parse_size
 
     assert [parse_size(s) for s in ("5GB", "500MB", "2GiB", "1.5KB", 7)] == [5 * 10**9, 5 * 10**8, 2 * 2**30, 1500, 7]
+
+
+def varied(completions, **kwargs):
+    """A reward the untrained tiny model earns unevenly (the task's own it never earns): the steps change weights."""
+    return [(len(c) % 3) / 2 for c in completions]
+
+
+def _tensors(directory) -> dict:
+    from safetensors.torch import load_file
+
+    files = sorted(directory.glob("*.safetensors"))
+    return {k: v for f in files for k, v in load_file(str(f)).items()}
+
+
+def test_export_of_a_checkpoint_equals_the_run_stopped_there(tmp_path, capsys):
+    from grpo_kernels.cli import main
+
+    short, long, graded = tmp_path / "short", tmp_path / "long", ["--task.reward_funcs=test_export:varied"]
+    quiet = dict(log=lambda *a, **k: None)
+    train(load_config(None, [*TINY, *graded, "--optim.steps=2", f"--logging.run_dir={short}"]), **quiet)
+    train(load_config(None, [*TINY, *graded, "--optim.steps=4", "--checkpoint.every=2", f"--logging.run_dir={long}"]),
+          **quiet)  # fmt: skip
+    main(["export", str(long), str(tmp_path / "at2"), "--step", "2"])
+    main(["export", str(long / "checkpoints" / "step_4"), str(tmp_path / "at4")])
+    at2, at4 = _tensors(tmp_path / "at2"), _tensors(tmp_path / "at4")
+    end, stopped, start = _tensors(long / "model"), _tensors(short / "model"), load(load_config(None, TINY)).model
+    assert sorted(at2) == sorted(stopped) and all(torch.equal(at2[k], stopped[k]) for k in at2)
+    assert any(not torch.equal(at2[k], v) for k, v in start.state_dict().items() if k in at2)  # two steps trained
+    assert all(torch.equal(at4[k], end[k]) for k in end) and any(not torch.equal(at4[k], at2[k]) for k in at2)
+    card = (tmp_path / "at2" / "README.md").read_text()
+    assert "Exported from the checkpoint" in card and "step_2" in card and "2 steps of" in card
+    (long / "checkpoints" / "step_4" / "trainer_state.json").write_text("{}")
+    with pytest.raises(SystemExit, match="damaged checkpoint: .*trainer_state.json"):
+        main(["export", str(long), str(tmp_path / "broken")])
+    with pytest.raises(SystemExit, match="no checkpoint step_3 .*there are: step_2, step_4"):
+        main(["export", str(long), str(tmp_path / "broken"), "--step", "3"])
+    assert not (tmp_path / "broken").exists()

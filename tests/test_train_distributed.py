@@ -71,6 +71,17 @@ def test_one_and_two_fsdp_ranks_give_the_same_losses_and_weights(tmp_path):
         assert off <= 1e-3 and diff.mean() <= 1e-3 * update.mean(), (k, off, diff.max(), diff.mean())
     summary = json.loads((two / "summary.json").read_text())
     assert summary["world_size"] == 2
+    # the model the two ranks exported together from their FSDP2 shards at the end is the last checkpoint's weights,
+    # and what `grpo-kernels export` writes from that checkpoint on one process
+    from safetensors.torch import load_file
+
+    from grpo_kernels.train.checkpoint_export import export_checkpoint
+
+    exported = load_file(str(two / "model" / "model.safetensors"))
+    assert sorted(exported) == sorted(k.removeprefix("model.") for k in w2 if k != "model.lm_head.weight")  # tied
+    assert all(torch.equal(exported[k], w2[f"model.{k}"]) for k in exported)
+    again = load_file(str(export_checkpoint(two, tmp_path / "again") / "model.safetensors"))
+    assert all(torch.equal(again[k], exported[k]) for k in exported)
 
 
 def test_a_killed_and_resumed_run_ends_like_an_uninterrupted_one(tmp_path, monkeypatch):

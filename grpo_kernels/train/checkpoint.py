@@ -31,7 +31,7 @@ from .model.fsdp import Dist
 
 __all__ = [
     "RUN_NEUTRAL_FIELDS", "CheckpointError", "config_changes", "list_checkpoints", "latest_checkpoint",
-    "load_checkpoint", "save_checkpoint", "verify_checkpoint",
+    "load_checkpoint", "load_policy_weights", "save_checkpoint", "verify_checkpoint",
 ]  # fmt: skip
 
 STATE_FILE = "trainer_state.json"
@@ -242,6 +242,18 @@ def config_changes(saved: dict, current: dict) -> list[str]:
     from saved, except RUN_NEUTRAL_FIELDS."""
     a, b = _flat(saved), _flat(current)
     return [f"{k} {a[k]!r} -> {b[k]!r}" for k in a if k in b and a[k] != b[k] and k not in RUN_NEUTRAL_FIELDS]
+
+
+def load_policy_weights(path, policy) -> None:
+    """Load only the policy's weights of a checkpoint into `policy` (sharded or not: DCP reshards what the ranks of
+    the run that saved it wrote); the caller verifies the checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = {"model": get_model_state_dict(policy)}
+    with _quiet():
+        dcp.load(state, checkpoint_id=str(Path(path)), no_dist=not dist.is_initialized())
+    set_model_state_dict(policy, state["model"])
 
 
 def load_checkpoint(path, *, policy, optimizer, ref_policy, verify: bool = True) -> dict:

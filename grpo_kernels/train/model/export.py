@@ -144,8 +144,9 @@ def export_dtype(config: TrainConfig) -> torch.dtype:
     return torch.bfloat16 if name == "bfloat16" else torch.float32
 
 
-def model_card(config: TrainConfig, summary: dict, *, rewards, tok, command: str) -> str:
-    """README.md of an exported model: what it was trained from and on, how, and its held-out success."""
+def model_card(config: TrainConfig, summary: dict, *, rewards, tok, command: str, source: str | None = None) -> str:
+    """README.md of an exported model: what it was trained from and on, how, and its held-out success. command: the
+    one that trained it, or (source: the checkpoint) the one that exported it."""
     m, t, s, o = config.model, config.task, config.sampling, config.optim
     base = "the built-in tiny decoder (random initialization)" if m.name == "tiny" else f"`{m.name}`"
     task = f"`{t.name}` (difficulty {t.difficulty})" if t.name in ("add", "reverse", "arith") else f"`{t.name}`"
@@ -178,7 +179,8 @@ def model_card(config: TrainConfig, summary: dict, *, rewards, tok, command: str
             f"{rate('_start')} before, {rate('_end')} after.\n"
             f"- Prompts: {prompts}.\n"
             f"- Weights: {str(export_dtype(config)).removeprefix('torch.')} (`export.dtype`).\n\n"
-            f"Trained with:\n\n    {command}\n\n(the run's whole configuration: config.toml in its run directory)\n")
+            + (f"Exported from the checkpoint {source} with:" if source else "Trained with:")
+            + f"\n\n    {command}\n\n(the run's whole configuration: config.toml in its run directory)\n")
 
 
 def _replace(tmp: Path, out: Path) -> None:

@@ -1,0 +1,82 @@
+"""Any checkpoint of a run as a Hugging Face directory, on one process, whatever the world size and sequence-parallel
+degree of the run that wrote it:
+
+    grpo-kernels export RUN_DIR OUT [--step N]        # the latest checkpoint, or checkpoints/step_N
+    grpo-kernels export RUN_DIR/checkpoints/step_N OUT
+
+The checkpoint is verified against its manifest first (the messages of `--resume`); the model is built from the
+config it was saved with (the converters applied, as the run built it), its policy weights loaded (DCP reshards
+them to one process), and written as the run's own `export` section says (dtype, shards) with the model card.
+"""
+
+import json
+import warnings
+from pathlib import Path
+
+from .build import load
+from .checkpoint import MANIFEST, STATE_FILE, list_checkpoints, load_policy_weights, verify_checkpoint
+from .config.io import load_config
+from .config.run import parse_size
+from .model.converters import apply_converters, make_converter
+from .model.export import export_dtype, export_model, model_card
+from .model.policy import Policy
+from .rollout.sampling import standard_error
+
+__all__ = ["export_checkpoint", "find_checkpoint"]
+
+
+def find_checkpoint(source, step: int | None = None) -> tuple[Path, Path]:
+    """(run directory, checkpoint directory) of a run directory (its latest checkpoint, or step_<step>) or of a
+    checkpoint directory; ValueError naming what is missing."""
+    source = Path(source)
+    if (source / MANIFEST).is_file():
+        if step is not None:
+            raise ValueError(f"{source} is a checkpoint already: --step picks one of a run directory's")
+        return source.parent.parent, source
+    found = list_checkpoints(source)
+    if not found:
+        raise ValueError(f"{source} is neither a checkpoint nor a run directory with checkpoints "
+                         "(checkpoint.every writes them)")  # fmt: skip
+    if step is None:
+        return source, found[-1]
+    chosen = source / "checkpoints" / f"step_{step}"
+    if chosen not in found:
+        raise ValueError(f"--step: no checkpoint step_{step} in {source}/checkpoints (there are: "
+                         f"{', '.join(p.name for p in found)})")  # fmt: skip
+    return source, chosen
+
+
+def export_checkpoint(source, out, *, step: int | None = None, command: str = "") -> Path:
+    """Write the checkpoint's policy as a Hugging Face directory at `out` (see the module); returns `out`."""
+    run_dir, checkpoint = find_checkpoint(source, step)
+    saved = verify_checkpoint(checkpoint)["config"]
+    if not saved:
+        raise ValueError(f"{checkpoint}/{MANIFEST} holds no config: export needs the config the run saved it with")
+    with warnings.catch_warnings():  # (the run's own warnings, given when it started)
+        warnings.simplefilter("ignore")
+        config = load_config(None, saved)
+    inputs = load(config)
+    model = apply_converters(inputs.model, config, [make_converter(spec) for spec in config.model.converters])
+    load_policy_weights(checkpoint, Policy(model))
+    state = json.loads((checkpoint / STATE_FILE).read_text())
+    summary = _held_out(run_dir, state, len(inputs.eval_set))
+    card = model_card(config, summary, rewards=inputs.rewards, tok=inputs.tok, command=command,
+                      source=str(checkpoint))  # fmt: skip
+    return export_model(model, inputs.tok, out, dtype=export_dtype(config),
+                        max_shard_bytes=parse_size(config.export.max_shard_size), card=card,
+                        stop_ids=inputs.tok.stop_ids)  # fmt: skip
+
+
+def _held_out(run_dir: Path, state: dict, n: int) -> dict:
+    """The card's numbers for a checkpoint after state["step"] steps: held-out success before RL (the trainer state
+    keeps it) and, when the run evaluated after that step (eval.jsonl), after it."""
+    steps, start = state["step"], state.get("eval_success_start", float("nan"))
+    out = {"steps": steps, "eval_prompts": n, "eval_success_start": start,
+           "eval_success_se_start": standard_error(start, n)}  # fmt: skip
+    evals = run_dir / "eval.jsonl"
+    rows = [json.loads(line) for line in evals.read_text().splitlines() if line.strip()] if evals.is_file() else []
+    at = [r for r in rows if r.get("step") == steps - 1]
+    if at:
+        out.update(eval_success_end=at[-1]["eval_success"], eval_success_se_end=standard_error(at[-1]["eval_success"],
+                                                                                              n))  # fmt: skip
+    return out

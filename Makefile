@@ -106,6 +106,8 @@ demo: setup
 	$(PY) -m grpo_kernels.cli demo
 	$(PY) -m grpo_kernels.cli train --config examples/train_tiny_cpu.toml
 	$(PY) -m grpo_kernels.cli plot runs/tiny-cpu
+	@echo "the trained model: runs/tiny-cpu/model (a Hugging Face directory); scored again on the held-out prompts:"
+	$(PY) -m grpo_kernels.cli eval runs/tiny-cpu/model --run runs/tiny-cpu
 
 # GRPO on a real LLM (SmolLM2-135M-Instruct, vLLM sampler): examples/train_smollm2_cpu.toml, ~10 minutes on 2 cores.
 smollm2: setup setup-vllm setup-smollm2

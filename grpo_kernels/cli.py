@@ -10,6 +10,7 @@ fp64 reference, and compares the measured invalid-group rate with p^G + (1 - p)^
 """
 
 import argparse
+import json
 import shlex
 import sys
 import time
@@ -63,7 +64,8 @@ def demo(args: argparse.Namespace) -> None:
         raise SystemExit("demo: the kernel disagrees with the reference")
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
+    """The command line's parser: one sub-command each."""
     parser = argparse.ArgumentParser(prog="grpo-kernels", description="Fused kernels for GRPO training.")
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="advantages of a simulated GRPO batch, checked against the reference")
@@ -97,10 +99,23 @@ def main(argv: list[str] | None = None) -> None:
     ex.add_argument("source", help="a run directory (its latest checkpoint) or a checkpoint directory")
     ex.add_argument("out", help="the directory to write (replaced if it exists)")
     ex.add_argument("--step", type=int, default=None, help="checkpoints/step_<N> of the run directory instead")
+    ev = sub.add_parser("eval", help="score a model directory on a run's held-out prompts with its reward functions; "
+                        "extra --section.field=value override the run's config")  # fmt: skip
+    ev.add_argument("model", help="a Hugging Face model directory (a run's model/, an export, the base model)")
+    where = ev.add_mutually_exclusive_group(required=True)
+    where.add_argument("--run", help="the run directory whose config.toml sets the task, rewards and sampling")
+    where.add_argument("--config", help="a config file instead")
+    ev.add_argument("--samples", type=int, default=1, help="answers per prompt (pass@k up to it); default 1")
+    ev.add_argument("--out", default=None, help="write completions.jsonl and summary.json to this directory")
     pl = sub.add_parser("plot", help="PNGs of a training run (reward, invalid groups vs theory, throughput)")
     pl.add_argument("run_dir")
     sub.add_parser("group-size-study", add_help=False, help="invalid groups, gradient noise and reward vs G "
                    "(benchmarks/group_size/study.py; its options: group-size-study --help)")  # fmt: skip
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _parser()
     args, overrides = parser.parse_known_args(argv)
     if args.command == "demo":
         if overrides:
@@ -157,6 +172,17 @@ def main(argv: list[str] | None = None) -> None:
             print(export_checkpoint(args.source, args.out, step=args.step, command=command))
         except ValueError as exc:  # (a damaged checkpoint's CheckpointError too)
             raise SystemExit(f"grpo-kernels export: error: {exc}") from None
+    elif args.command == "eval":
+        from .train.config.io import load_config
+
+        try:
+            config = load_config(args.config or f"{args.run}/config.toml", overrides)
+            from .train.evaluate import evaluate_model
+
+            summary = evaluate_model(args.model, config, samples=args.samples, out=args.out)
+        except (ValueError, NotImplementedError) as exc:
+            raise SystemExit(f"grpo-kernels eval: error: {exc}") from None
+        print(json.dumps(summary, indent=1))
     elif args.command == "plot":
         from .train.plot import plot_run
 

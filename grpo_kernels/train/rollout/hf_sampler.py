@@ -82,6 +82,7 @@ class HFSampler:
         self.model, self.eos_id, self.pad_id = model, eos_id, pad_id
         self.stop_ids = list(dict.fromkeys([eos_id, *(int(i) for i in stop_ids)]))
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.progress = None  # called with the number of rows after each generate call (a progress bar), if set
         self.max_batch_rows = max_batch_rows
 
     @torch.no_grad()
@@ -108,6 +109,8 @@ class HFSampler:
                     batch = batch_rows[start : start + self.max_batch_rows]
                     new, lp = self._generate(torch.stack([prompts[k] for k, _ in batch]),
                                              [row_seed(seeds[k], j) for k, j in batch])  # fmt: skip
+                    if self.progress is not None:
+                        self.progress(len(batch))
                     for i, row in enumerate(batch):
                         ends = torch.isin(new[i], torch.tensor(self.stop_ids)).nonzero()
                         n = int(ends[0]) + 1 if ends.numel() else new.shape[1]

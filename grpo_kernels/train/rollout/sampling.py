@@ -10,8 +10,8 @@ from ..config import TrainConfig
 from ..model.fsdp import SINGLE, Dist, all_gather_objects
 from .batch import Rollout
 
-__all__ = ["HeldOut", "collect", "evaluate", "held_out", "sample_scored", "seed_for", "standard_error",
-           "with_standard_error"]  # fmt: skip
+__all__ = ["HeldOut", "collect", "evaluate", "held_out", "held_out_result", "held_out_rollout", "sample_scored",
+           "seed_for", "standard_error", "with_standard_error"]  # fmt: skip
 
 
 def seed_for(*parts: int) -> int:
@@ -80,21 +80,33 @@ class HeldOut(NamedTuple):
 
 def held_out(sampler, tok, rewards, examples, *, seed: int, d: Dist = SINGLE, step: int = 0) -> HeldOut:
     """One sampled answer per held-out prompt, scored by every reward function."""
-    names = rewards.names
     if not examples:
-        return HeldOut(float("nan"), {name: float("nan") for name in names})
-    rollout = sample_scored(sampler, tok, rewards, examples, 1, [seed_for(seed, k) for k in range(len(examples))], d,
-                            evaluation=True, step=step)  # fmt: skip
-    per_func = rollout.rewards_per_func.reshape(len(examples), len(names))
+        return HeldOut(float("nan"), {name: float("nan") for name in rewards.names})
+    return held_out_result(held_out_rollout(sampler, tok, rewards, examples, seed=seed, d=d, step=step), rewards)
+
+
+def held_out_rollout(sampler, tok, rewards, examples, *, seed: int, d: Dist = SINGLE, step: int = 0,
+                     samples: int = 1) -> Rollout:  # fmt: skip
+    """The held-out evaluation's scored samples: `samples` answers to each prompt (one: the run's evaluation), prompt
+    k's seeded by seed_for(seed, k)."""
+    seeds = [seed_for(seed, k) for k in range(len(examples))]
+    return sample_scored(sampler, tok, rewards, examples, samples, seeds, d, evaluation=True, step=step)
+
+
+def held_out_result(rollout: Rollout, rewards) -> HeldOut:
+    """Success (the success function's mean over every sampled answer, an unscorable one counted as a failure; NaN
+    where it is not 0/1) and each function's mean over the answers it scored."""
+    names = rewards.names
+    per_func = rollout.rewards_per_func.reshape(-1, len(names))
     means = {name: float(per_func[:, k].nanmean()) for k, name in enumerate(names)}
     values = per_func[:, rewards.success]
     scored = values[~values.isnan()]
     if not bool(((scored == 0) | (scored == 1)).all()):
         warnings.warn(f"held-out success: the success function {names[rewards.success]!r} returned values "
                       "other than 0 and 1; success is reported as NaN (name a 0/1 function in task.success_reward)",
-                      stacklevel=2)  # fmt: skip
+                      stacklevel=3)  # fmt: skip
         return HeldOut(float("nan"), means)
-    return HeldOut(float(scored.sum() / len(examples)) if len(scored) else float("nan"), means)
+    return HeldOut(float(scored.sum() / len(values)) if len(scored) else float("nan"), means)
 
 
 def evaluate(sampler, tok, rewards, examples, *, seed: int, d: Dist = SINGLE) -> float:

@@ -99,6 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("source", help="a run directory (its latest checkpoint) or a checkpoint directory")
     ex.add_argument("out", help="the directory to write (replaced if it exists)")
     ex.add_argument("--step", type=int, default=None, help="checkpoints/step_<N> of the run directory instead")
+    ex.add_argument("--overwrite", action="store_true", help="replace OUT if it exists and is not empty")
     ev = sub.add_parser("eval", help="score a model directory on a run's held-out prompts with its reward functions; "
                         "extra --section.field=value override the run's config")  # fmt: skip
     ev.add_argument("model", help="a Hugging Face model directory (a run's model/, an export, the base model)")
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
 
         command = shlex.join(["grpo-kernels", *(argv if argv is not None else sys.argv[1:])])
         try:
-            print(export_checkpoint(args.source, args.out, step=args.step, command=command))
+            print(export_checkpoint(args.source, args.out, step=args.step, command=command, overwrite=args.overwrite))
         except ValueError as exc:  # (a damaged checkpoint's CheckpointError too)
             raise SystemExit(f"grpo-kernels export: error: {exc}") from None
     elif args.command == "eval":

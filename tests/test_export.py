@@ -173,7 +173,7 @@ def _tensors(directory) -> dict:
     return {k: v for f in files for k, v in load_file(str(f)).items()}
 
 
-def test_export_of_a_checkpoint_equals_the_run_stopped_there(tmp_path, capsys):
+def test_export_of_a_checkpoint_equals_the_run_stopped_there(tmp_path, capsys, monkeypatch):
     from grpo_kernels.cli import main
 
     short, long, graded = tmp_path / "short", tmp_path / "long", ["--task.reward_funcs=test_export:varied"]
@@ -196,3 +196,12 @@ def test_export_of_a_checkpoint_equals_the_run_stopped_there(tmp_path, capsys):
     with pytest.raises(SystemExit, match="no checkpoint step_3 .*there are: step_2, step_4"):
         main(["export", str(long), str(tmp_path / "broken"), "--step", "3"])
     assert not (tmp_path / "broken").exists()
+    with pytest.raises(SystemExit, match="exists and is not empty: .* --overwrite"):
+        main(["export", str(long), str(tmp_path / "at2"), "--step", "2"])
+    main(["export", str(long), str(tmp_path / "at2"), "--step", "2", "--overwrite"])
+    with pytest.raises(SystemExit, match="inside the run's checkpoints"):
+        main(["export", str(long), str(long / "checkpoints" / "exported"), "--step", "2"])
+    monkeypatch.setattr(export.shutil, "disk_usage", lambda path: type("U", (), {"free": 1000})())
+    with pytest.raises(SystemExit, match=r"needs about 0\.00 GiB and .* has 0\.00 GiB free"):
+        main(["export", str(long), str(tmp_path / "full"), "--step", "2"])
+    assert not (tmp_path / "full").exists() and not (tmp_path / ".full.partial").exists()

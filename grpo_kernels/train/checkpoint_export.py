@@ -10,6 +10,7 @@ them to one process), and written as the run's own `export` section says (dtype,
 """
 
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from .model.export import export_dtype, export_model, model_card
 from .model.policy import Policy
 from .rollout.sampling import standard_error
 
-__all__ = ["export_checkpoint", "find_checkpoint"]
+__all__ = ["check_target", "export_checkpoint", "find_checkpoint"]
 
 
 def find_checkpoint(source, step: int | None = None) -> tuple[Path, Path]:
@@ -46,9 +47,26 @@ def find_checkpoint(source, step: int | None = None) -> tuple[Path, Path]:
     return source, chosen
 
 
-def export_checkpoint(source, out, *, step: int | None = None, command: str = "") -> Path:
+def check_target(out: Path, checkpoint: Path, *, overwrite: bool) -> None:
+    """ValueError (one line) for an export target inside the run's checkpoints, not empty (without overwrite), or
+    not writable."""
+    out = out.resolve()
+    checkpoints = checkpoint.resolve().parent
+    if out == checkpoints or checkpoints in out.parents:
+        raise ValueError(f"{out} is inside the run's checkpoints ({checkpoints}): export elsewhere")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise ValueError(f"{out} exists and is not empty: choose another directory or add --overwrite")
+    existing = out
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{out} cannot be written: no write permission on {existing}")
+
+
+def export_checkpoint(source, out, *, step: int | None = None, command: str = "", overwrite: bool = False) -> Path:
     """Write the checkpoint's policy as a Hugging Face directory at `out` (see the module); returns `out`."""
     run_dir, checkpoint = find_checkpoint(source, step)
+    check_target(Path(out), checkpoint, overwrite=overwrite)
     saved = verify_checkpoint(checkpoint)["config"]
     if not saved:
         raise ValueError(f"{checkpoint}/{MANIFEST} holds no config: export needs the config the run saved it with")

@@ -23,7 +23,7 @@ import torch
 
 from ..config import TrainConfig
 from .converters import hf_named_weights
-from .fsdp import SINGLE, Dist
+from .fsdp import SINGLE, Dist, all_gather_objects
 
 __all__ = ["export_dtype", "export_model", "model_card"]
 
@@ -45,6 +45,10 @@ def export_model(model, tok, out, *, dtype: torch.dtype, max_shard_bytes: int, c
 
     out = Path(out)
     tmp = out.with_name(f".{out.name}.partial")
+    problem = _disk_problem(model, out, dtype) if d.is_main else None
+    problem = all_gather_objects(problem, d)[0]  # (every rank stops, before any collective gather)
+    if problem is not None:
+        raise ValueError(problem)
     if d.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -103,6 +107,20 @@ def _finish(tmp: Path, out: Path, flush, parts: list, total: int, *, model, dtyp
     _replace(tmp, out)
 
 
+def _disk_problem(model, out: Path, dtype: torch.dtype) -> str | None:
+    """A line saying the export cannot fit on out's file system (the weights in dtype plus 5 %), else None."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    need = sum(p.numel() * (itemsize if p.is_floating_point() else p.element_size()) for p in model.parameters())
+    existing = out.parent
+    while not existing.exists():
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    if free < need * 1.05:
+        return (f"exporting the model to {out} needs about {need / 2**30:.2f} GiB and {existing} has "
+                f"{free / 2**30:.2f} GiB free")  # fmt: skip
+    return None
+
+
 def _write_config(model, directory: Path, dtype: torch.dtype, tok, stop_ids) -> None:
     from transformers import GenerationConfig
 
@@ -149,7 +167,8 @@ def model_card(config: TrainConfig, summary: dict, *, rewards, tok, command: str
     one that trained it, or (source: the checkpoint) the one that exported it."""
     m, t, s, o = config.model, config.task, config.sampling, config.optim
     base = "the built-in tiny decoder (random initialization)" if m.name == "tiny" else f"`{m.name}`"
-    task = f"`{t.name}` (difficulty {t.difficulty})" if t.name in ("add", "reverse", "arith") else f"`{t.name}`"
+    generated = t.name in ("add", "reverse", "arith")
+    task = f"`{t.name}` (difficulty {t.difficulty})" if generated else f"`{t.name}`"
     if t.name == "dataset":
         task += f", dataset `{t.dataset}` (split {t.split}, held out: {t.eval_split or 'from the same split'})"
     elif t.name == "jsonl":
@@ -176,8 +195,10 @@ def model_card(config: TrainConfig, summary: dict, *, rewards, tok, command: str
             f"- {summary.get('steps', o.steps)} steps of {s.prompts_per_step} prompts x G = {s.group_size} "
             f"completions (temperature {s.temperature:g}, at most {s.max_new_tokens} new tokens), lr {o.lr:g}.\n"
             f"- Held-out success (one sampled answer on each of {n} held-out prompts, ± one binomial standard error): "
-            f"{rate('_start')} before, {rate('_end')} after.\n"
-            f"- Prompts: {prompts}.\n"
+            f"{rate('_start')} before, {rate('_end')} after"
+            + (" (the held-out prompts are fresh draws of the task's generator, which training may have drawn too:"
+               " success on the task, not on unseen prompts).\n" if generated else ".\n")
+            + f"- Prompts: {prompts}.\n"
             f"- Weights: {str(export_dtype(config)).removeprefix('torch.')} (`export.dtype`).\n\n"
             + (f"Exported from the checkpoint {source} with:" if source else "Trained with:")
             + f"\n\n    {command}\n\n(the run's whole configuration: config.toml in its run directory)\n")

@@ -14,6 +14,7 @@ import json
 import shlex
 import sys
 import time
+import warnings
 
 import torch
 
@@ -177,7 +178,9 @@ def main(argv: list[str] | None = None) -> None:
         from .train.config.io import load_config
 
         try:
-            config = load_config(args.config or f"{args.run}/config.toml", overrides)
+            with warnings.catch_warnings():  # (the run's own warnings about its logging and checkpoints)
+                warnings.simplefilter("ignore")
+                config = load_config(args.config or f"{args.run}/config.toml", overrides)
             from .train.evaluate import evaluate_model
 
             summary = evaluate_model(args.model, config, samples=args.samples, out=args.out)

@@ -46,3 +46,9 @@ def test_a_runs_model_scores_as_its_final_evaluation_did(tmp_path, capsys):
     assert rate == pytest.approx(four["success"])
     with pytest.raises(SystemExit, match="no held-out prompts"):
         main(["eval", str(run / "model"), "--run", str(run), "--task.num_eval_prompts=0"])
+    with pytest.raises(SystemExit, match="--samples must be >= 1, got 0"):
+        main(["eval", str(run / "model"), "--run", str(run), "--samples", "0"])
+    with pytest.raises(SystemExit, match="no config.json in .*: not an HF model directory"):
+        main(["eval", str(tmp_path / "one"), "--run", str(run)])
+    with pytest.raises(SystemExit, match='task.chat_template is "on" but the tokenizer of .* has no chat template'):
+        main(["eval", str(run / "model"), "--run", str(run), "--task.chat_template=on"])

@@ -205,3 +205,18 @@ def test_export_of_a_checkpoint_equals_the_run_stopped_there(tmp_path, capsys, m
     with pytest.raises(SystemExit, match=r"needs about 0\.00 GiB and .* has 0\.00 GiB free"):
         main(["export", str(long), str(tmp_path / "full"), "--step", "2"])
     assert not (tmp_path / "full").exists() and not (tmp_path / ".full.partial").exists()
+
+
+def test_an_untied_head_is_exported_with_its_own_weights(tmp_path):
+    from grpo_kernels.train.data.tasks import CharTokenizer, tiny_model
+
+    tok = CharTokenizer()
+    model = tiny_model(tok.vocab_size, attn_implementation="sdpa", seed=3)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach() + 0.1)  # untied, different
+    out = export.export_model(model, tok, tmp_path / "untied", dtype=torch.float32, max_shard_bytes=10**9)
+    saved = _tensors(out)
+    assert torch.equal(saved["lm_head.weight"], model.lm_head.weight.detach())
+    assert not torch.equal(saved["lm_head.weight"], saved["model.embed_tokens.weight"])
+    got = _load_alone(out)
+    assert torch.equal(torch.tensor(got[str(out)]["logits"]), _logits(model))

@@ -294,3 +294,27 @@ def test_an_error_in_the_final_evaluation_closes_the_vllm_engine_and_the_process
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_run_files_are_replaced_whole_never_written_through_a_planted_symlink(tmp_path):
+    """config.toml, summary.json and (checkpoints') manifests go through a temporary file and one rename: a symlink
+    someone planted at their names is replaced, the file it pointed to left alone."""
+    run, victim = tmp_path / "run", tmp_path / "victim.txt"
+    run.mkdir()
+    victim.write_text("not yours")
+    for name in ("config.toml", "summary.json"):
+        (run / name).symlink_to(victim)
+    _short_run(run, "--checkpoint.every=2")
+    assert victim.read_text() == "not yours"
+    for name in ("config.toml", "summary.json"):
+        assert not (run / name).is_symlink() and (run / name).stat().st_mode & 0o777 == 0o644
+    assert json.loads((run / "summary.json").read_text())["steps"] == 2
+    assert not [p.name for p in run.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_damaged_tracking_file_is_one_line_at_resume(tmp_path):
+    run = tmp_path / "run"
+    _short_run(run, "--checkpoint.every=1", "--logging.report_to=tensorboard")
+    (run / "tracking.json").write_text('{"wandb_id": ')  # truncated
+    with pytest.raises(SystemExit, match=r"tracking.json is damaged .*restore it, or delete it"):
+        main(["train", "--resume", str(run), "--checkpoint.resume_step=1"])

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ..files import write_atomic
 from .model.fsdp import Dist
 
 # torch.distributed.checkpoint is imported where a checkpoint is saved or loaded, not with this module: it pulls in
@@ -95,17 +96,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_durably(path: Path, text: str) -> None:
-    """text in path, atomically: a temporary file, fsync, rename, fsync of the directory."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 def _manifest_digest(manifest: dict) -> str:
     body = {k: v for k, v in manifest.items() if k != "sha256"}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
@@ -120,7 +110,7 @@ def _write_manifest(directory: Path, step: int, config: dict | None) -> None:
         files[f.relative_to(directory).as_posix()] = {"size": f.stat().st_size, "sha256": _sha256(f)}
     manifest = {"format": FORMAT, "step": step, "files": files, "config": config}
     manifest["sha256"] = _manifest_digest(manifest)
-    _write_durably(directory / MANIFEST, json.dumps(manifest, indent=1))
+    write_atomic(directory / MANIFEST, json.dumps(manifest, indent=1))
 
 
 def save_checkpoint(run_dir, step: int, *, policy, optimizer, ref_policy, trainer_state: dict, d: Dist,

@@ -27,6 +27,7 @@ import json
 import math
 from pathlib import Path
 
+from ..files import write_atomic
 from .config import REPORT_TO
 
 __all__ = ["REPORT_TO", "TRL_NAMES", "Trackers", "check_installed", "installed_trackers", "trl_names"]
@@ -113,7 +114,7 @@ class Trackers:
             return None
         self = cls(run_dir)
         state_path = self.run_dir / "tracking.json"
-        state = json.loads(state_path.read_text()) if resume and state_path.exists() else {}
+        state = _tracking_state(state_path) if resume and state_path.exists() else {}
         run_name = run_name or self.run_dir.resolve().name
         if "tensorboard" in names:
             from torch.utils.tensorboard import SummaryWriter
@@ -135,7 +136,7 @@ class Trackers:
             resume_trackio = "trackio_name" in state
             trackio.init(project=project, name=state.setdefault("trackio_name", run_name), config=settings,
                          resume="allow" if resume_trackio else "never")  # fmt: skip
-        state_path.write_text(json.dumps(state) + "\n")
+        write_atomic(state_path, json.dumps(state) + "\n")
         return self
 
     def _write(self, values: dict, global_step: int) -> None:
@@ -165,3 +166,16 @@ class Trackers:
         if self.trackio is not None:
             self.trackio.finish()
         self.writer = self.wandb_run = self.trackio = None
+
+
+def _tracking_state(path: Path) -> dict:
+    """The tracker run ids a resumed run continues (tracking.json); a ValueError naming the file when it is damaged."""
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        state = exc
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} is damaged ({state}): it keeps the W&B and Trackio run ids a resumed run continues; "
+                         "restore it, or delete it to start new tracker runs")  # fmt: skip
+    return state
+

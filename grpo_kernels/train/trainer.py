@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..files import write_atomic
 from . import preflight
 from .build import RunParts, build
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -302,7 +303,7 @@ class _Run:
         if self.config.export.at_end:
             self.log(f"model: {self._export(summary)}")
         if d.is_main:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=1))
         self.log(f"held-out success after {steps} steps: {with_standard_error(final_eval, n)} "
                  f"(was {with_standard_error(start, n)}; ± one binomial standard error)")
         if d.distributed:

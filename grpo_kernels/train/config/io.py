@@ -10,6 +10,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from dataclasses import MISSING, fields
 
+from ...files import write_atomic
 from . import TrainConfig, section_classes
 from .schema import field_types, parse_value
 from .task import resolve_spec
@@ -139,7 +140,7 @@ def save_config(config: TrainConfig, path: str | Path) -> None:
             lines.append(f"{key} = {_toml_value('none' if value is None else value)}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_atomic(path, "\n".join(lines) + "\n")
 
 
 def field_docs(cls) -> dict[str, str]:

@@ -137,6 +137,7 @@ def _run_locked(args, trainer, loss_type, seed, run_dir: Path, kept: Path, log: 
     (kept / "process.json").write_text(json.dumps({"peak_rss_mib": peak, "cpu": cpu}))
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     shutil.rmtree(run_dir / "trl", ignore_errors=True)
+    shutil.rmtree(run_dir / "model", ignore_errors=True)  # (the exported model: hundreds of MB a run, not compared)
     return "finished"
 
 

@@ -7,12 +7,14 @@ import contextlib
 import json
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
 
 from grpo_kernels.train.build import build, load
 from grpo_kernels.train.config.io import load_config
+from grpo_kernels.train.data.tasks import CharTokenizer
 from grpo_kernels.train.model import export
 from grpo_kernels.train.model.converters import hf_state_dict
 from grpo_kernels.train.model.fsdp import SINGLE
@@ -104,6 +106,11 @@ def test_a_run_ends_with_its_model_and_its_card(tmp_path):
     card = (tmp_path / "model" / "README.md").read_text()
     assert f"{summary['eval_success_end']:.3f} ± {summary['eval_success_se_end']:.3f} after" in card
     assert "`numeric` x 1" in card and "G = 4" in card and "dapo" in card
+    assert "fresh draws of the task's generator" in card  # add's held-out prompts may have been trained on
+    jsonl = load_config(None, ["--task.name=jsonl", "--task.path=sums.jsonl"])
+    rewards = types.SimpleNamespace(names=["exact"], weights=[1.0], success=0)
+    jsonl_card = export.model_card(jsonl, summary, rewards=rewards, tok=CharTokenizer(), command="c")
+    assert "(held out of the data: never trained on)" in jsonl_card and "fresh draws" not in jsonl_card
     got = _load_alone(tmp_path / "model")
     assert len(got[str(tmp_path / "model")]["logits"]) == 2
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".model")]  # no partial directory left
@@ -112,7 +119,6 @@ def test_a_run_ends_with_its_model_and_its_card(tmp_path):
 def test_the_saved_chat_template_renders_the_runs_system_prompt(tmp_path):
     from transformers import AutoTokenizer
 
-    from grpo_kernels.train.data.tasks import CharTokenizer
 
     hf = char_tokenizer(CharTokenizer())
     hf.chat_template = ("{% for m in messages %}{{ m['role'][0] }}{{ m['content'] }}{% endfor %}"
@@ -208,7 +214,7 @@ def test_export_of_a_checkpoint_equals_the_run_stopped_there(tmp_path, capsys, m
 
 
 def test_an_untied_head_is_exported_with_its_own_weights(tmp_path):
-    from grpo_kernels.train.data.tasks import CharTokenizer, tiny_model
+    from grpo_kernels.train.data.tasks import tiny_model
 
     tok = CharTokenizer()
     model = tiny_model(tok.vocab_size, attn_implementation="sdpa", seed=3)

@@ -36,7 +36,9 @@ def _config(source, *extra):
 @pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv", ".parquet"])
 def test_every_file_format_gives_the_same_examples_split_without_overlap(tmp_path, suffix):
     path = _write(tmp_path / f"data{suffix}", ROWS)
-    task, train, held = task_examples(_config(path))
+    with pytest.warns(UserWarning, match=r"task.num_train_prompts = 100, but .*data.* has 7 examples to train on after "
+                                         r"holding out 3: training on 7"):  # fmt: skip
+        task, train, held = task_examples(_config(path))
     assert len(train) == 7 and len(held) == 3
     assert not {e.prompt for e in train} & {e.prompt for e in held}
     for e in train + held:
@@ -58,7 +60,8 @@ def test_a_folder_of_splits_and_conversational_prompts(tmp_path):
     _write(folder / "test.jsonl", chat[8:])
     config = load_config(None, ["task.name=dataset", f"task.dataset={folder}", "task.answer_column=answer",
                                 "task.eval_split=test", "task.num_eval_prompts=5"])  # fmt: skip
-    task, train, held = task_examples(config)
+    with pytest.warns(UserWarning, match=r"num_eval_prompts = 5, but the held-out split of .*gsm has 2 examples"):
+        task, train, held = task_examples(config)
     assert len(train) == 8 and sorted(e.answer for e in held) == ["16", "18"]
     assert train[0].prompt[0]["role"] == "user" and isinstance(train[0].prompt, tuple)
     assert task_rewards(task, config.task).names == ["exact"]

@@ -76,6 +76,29 @@ def test_jsonl_loader_and_its_errors(tmp_path):
         make_task("jsonl")
 
 
+def test_jsonl_held_out_prompts_are_never_trained_on(tmp_path):
+    import random
+
+    from grpo_kernels.train.build import task_examples
+    from grpo_kernels.train.config.io import load_config
+
+    path = tmp_path / "sums.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": 2 * i}) + "\n" for i in range(20)))
+    config = load_config(None, ["task.name=jsonl", f"task.path={path}", "task.num_train_prompts=12",
+                                "task.num_eval_prompts=5"])  # fmt: skip
+    task, train, held = task_examples(config)
+    assert len(train) == 12 and len(held) == 5 and len({e.prompt for e in train + held}) == 17  # no repeats, no overlap
+    rng = random.Random(0)
+    assert {task.example(rng).prompt for _ in range(200)} == {e.prompt for e in train}  # the warm start's draw too
+    with pytest.warns(UserWarning, match=r"num_train_prompts = 512, but .*sums.jsonl has 15 examples to train on "
+                                         r"after holding out 5: training on 15"):  # fmt: skip
+        _, train, held = task_examples(load_config(None, ["task.name=jsonl", f"task.path={path}",
+                                                          "task.num_eval_prompts=5"]))  # fmt: skip
+    assert len(train) == 15 and not {e.prompt for e in train} & {e.prompt for e in held}
+    with pytest.raises(ValueError, match="holds out every one of the 20 examples of .*sums.jsonl"):
+        task_examples(load_config(None, ["task.name=jsonl", f"task.path={path}", "task.num_eval_prompts=20"]))
+
+
 def test_jsonl_accepts_trl_conversational_prompts(tmp_path):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}]
     path = tmp_path / "chat.jsonl"

@@ -61,6 +61,7 @@ FULL = dict(steps=12, group_size=8, prompts_per_step=8, max_new_tokens=8, lr=1e-
 QUICK = dict(steps=2, group_size=4, prompts_per_step=2, max_new_tokens=4, lr=1e-3, temperature=1.0)
 MODEL = dict(steps=4, group_size=8, prompts_per_step=4, max_new_tokens=64, lr=1e-5, temperature=0.7)
 ARITH_PROMPTS = 256
+ADD_PROMPTS = 256  # the addition file's lines: the run trains on every one (none held out: num_eval_prompts = 0)
 FORMAT_WEIGHT = ARITH_FORMAT_WEIGHT_COMMITTED  # arith's bare-integer bonus the committed rows ran with
 # With --model, `grpo-kernels train` packs each group's prompt once (shared_prefix) into micro-batches of at most this
 # many tokens: the activations of a 30-layer model over a whole step's tokens would dominate its peak memory (TRL
@@ -68,7 +69,7 @@ FORMAT_WEIGHT = ARITH_FORMAT_WEIGHT_COMMITTED  # arith's bare-integer bonus the 
 MODEL_TOKEN_BUDGET = 1024
 
 
-def write_inputs(directory: Path, *, num_prompts: int = 256) -> None:
+def write_inputs(directory: Path, *, num_prompts: int = ADD_PROMPTS) -> None:
     """The tiny checkpoint (model/) and the task's prompt/answer lines (task.jsonl) in directory."""
     from grpo_kernels.train.model.hf import write_tiny_checkpoint
 
@@ -176,7 +177,8 @@ def grpo_kernels_config(directory: Path, spec: dict) -> Path:
         task = f'name = "arith"\ndifficulty = 1\nformat_weight = {FORMAT_WEIGHT}\nnum_train_prompts = {ARITH_PROMPTS}'
         packing = f"[packing]\ntoken_budget = {MODEL_TOKEN_BUDGET}\nshared_prefix = true\n"
     else:
-        task = f'name = "jsonl"\npath = "{directory / "task.jsonl"}"\nreward = "numeric"'
+        jsonl = directory / "task.jsonl"
+        task = f'name = "jsonl"\npath = "{jsonl}"\nreward = "numeric"\nnum_train_prompts = {ADD_PROMPTS}'
     path.write_text(f"""seed = 0
 [model]
 name = "{model_path(directory, spec)}"

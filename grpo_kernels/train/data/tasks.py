@@ -16,6 +16,7 @@ resumed run sees the same prompts.
 
 import random
 import string
+import warnings
 
 from . import rewards_builtin
 from .datasets import Example, examples_from_rows, load_jsonl, load_rows
@@ -165,45 +166,22 @@ class ArithTask(Task):
         return [1.0, self.FORMAT_WEIGHT]
 
 
-class JsonlTask(Task):
-    """Examples from a JSONL file of {"prompt", "answer"} objects; reward by exact, numeric or math_verify match."""
+class RowsTask(Task):
+    """A task over a fixed list of examples (train_rows; eval_rows when a held-out split of its own is given),
+    split without overlap by `split_examples`: the held-out examples are never trained on."""
 
-    name = "jsonl"
+    source = "the examples"
 
-    def __init__(self, path, *, reward: str = "exact"):
+    def __init__(self, train_rows: list, eval_rows: list | None = None):
         super().__init__(1)
-        if reward not in ("exact", "numeric", "math_verify"):
-            raise ValueError(f"reward must be 'exact', 'numeric' or 'math_verify', got {reward!r}")
-        if reward == "math_verify":
-            try:
-                import math_verify  # noqa: F401
-            except ImportError as exc:
-                raise ValueError("reward='math_verify' needs the math_verify package") from exc
-        self.data, self.kind = load_jsonl(path), reward
-        self.REWARDS = (reward,)
-
-    def example(self, rng):
-        return rng.choice(self.data)
-
-
-class DatasetTask(Task):
-    """Examples of a dataset (grpo_kernels.train.data.datasets.load_rows): the prompt column, the answer column when
-    named, every other column for the reward functions. Split without overlap: `split_examples` holds out the first
-    num_eval examples of the split shuffled by the seed, unless eval_split names a split of its own."""
-
-    name = "dataset"
-
-    def __init__(self, source: str, *, split: str = "train", eval_split: str | None = None,
-                 prompt_column: str = "prompt", answer_column: str | None = None, reward: str = "exact"):  # fmt: skip
-        super().__init__(1)
-        self.source, self.REWARDS = source, (reward,)
-        read = lambda name: examples_from_rows(load_rows(source, name), prompt_column=prompt_column,  # noqa: E731
-                                               answer_column=answer_column, source=f"{source} [{name}]")  # fmt: skip
-        self.train_rows = read(split)
-        self.eval_rows = read(eval_split) if eval_split is not None else None
+        self.train_rows, self.eval_rows = train_rows, eval_rows
 
     def split_examples(self, num_train: int, num_eval: int, seed: int) -> tuple[list, list]:
-        """(training examples, held-out examples): disjoint, each in an order shuffled by seed."""
+        """(training examples, held-out examples): disjoint, each in an order shuffled by seed. Without eval_rows
+        the first num_eval examples of the shuffled rows are held out. A split smaller than asked is a warning with
+        the numbers (the run uses what there is: the prompt stream reshuffles the training examples every epoch,
+        and the held-out success's standard error is that of the examples there are); holding out every example is
+        an error."""
         order = list(range(len(self.train_rows)))
         random.Random(seed).shuffle(order)
         if self.eval_rows is None:
@@ -216,6 +194,13 @@ class DatasetTask(Task):
             held = list(range(len(self.eval_rows)))
             random.Random(seed + 1).shuffle(held)
             held_out = [self.eval_rows[i] for i in held[:num_eval]]
+            if len(held_out) < num_eval:
+                warnings.warn(f"task.num_eval_prompts = {num_eval}, but the held-out split of {self.source} has "
+                              f"{len(held_out)} examples: evaluating on {len(held_out)}", stacklevel=2)  # fmt: skip
+        if len(order) < num_train:
+            after = f" after holding out {num_eval}" if self.eval_rows is None and num_eval else ""
+            warnings.warn(f"task.num_train_prompts = {num_train}, but {self.source} has {len(order)} examples "
+                          f"to train on{after}: training on {len(order)}, reshuffled every epoch", stacklevel=2)  # fmt: skip
         self.trained = [self.train_rows[i] for i in order[:num_train]]
         return self.trained, held_out
 
@@ -223,8 +208,42 @@ class DatasetTask(Task):
         """A training example (the SFT warm start's draw): from the training side of `split_examples`."""
         pool = getattr(self, "trained", None)
         if pool is None:
-            raise ValueError("DatasetTask.example: split_examples has not chosen the training examples yet")
+            raise ValueError(f"{type(self).__name__}.example: split_examples has not chosen the training examples yet")
         return rng.choice(pool)
+
+
+class JsonlTask(RowsTask):
+    """Examples from a JSONL file of {"prompt", "answer"} objects; reward by exact, numeric or math_verify match.
+    Held-out examples are held out of the file, as a dataset's are (`RowsTask.split_examples`)."""
+
+    name = "jsonl"
+
+    def __init__(self, path, *, reward: str = "exact"):
+        if reward not in ("exact", "numeric", "math_verify"):
+            raise ValueError(f"reward must be 'exact', 'numeric' or 'math_verify', got {reward!r}")
+        if reward == "math_verify":
+            try:
+                import math_verify  # noqa: F401
+            except ImportError as exc:
+                raise ValueError("reward='math_verify' needs the math_verify package") from exc
+        super().__init__(load_jsonl(path))
+        self.data, self.kind, self.source = self.train_rows, reward, str(path)
+        self.REWARDS = (reward,)
+
+
+class DatasetTask(RowsTask):
+    """Examples of a dataset (grpo_kernels.train.data.datasets.load_rows): the prompt column, the answer column when
+    named, every other column for the reward functions. Split without overlap (`RowsTask.split_examples`): the first
+    num_eval examples of the split shuffled by the seed are held out, unless eval_split names a split of its own."""
+
+    name = "dataset"
+
+    def __init__(self, source: str, *, split: str = "train", eval_split: str | None = None,
+                 prompt_column: str = "prompt", answer_column: str | None = None, reward: str = "exact"):  # fmt: skip
+        read = lambda name: examples_from_rows(load_rows(source, name), prompt_column=prompt_column,  # noqa: E731
+                                               answer_column=answer_column, source=f"{source} [{name}]")  # fmt: skip
+        super().__init__(read(split), read(eval_split) if eval_split is not None else None)
+        self.source, self.REWARDS = source, (reward,)
 
 
 TASKS = {"reverse": ReverseTask, "add": AddTask, "arith": ArithTask}

@@ -197,7 +197,8 @@ def model_card(config: TrainConfig, summary: dict, *, rewards, tok, command: str
             f"- Held-out success (one sampled answer on each of {n} held-out prompts, ± one binomial standard error): "
             f"{rate('_start')} before, {rate('_end')} after"
             + (" (the held-out prompts are fresh draws of the task's generator, which training may have drawn too:"
-               " success on the task, not on unseen prompts).\n" if generated else ".\n")
+               " success on the task, not on unseen prompts).\n" if generated else
+               " (held out of the data: never trained on).\n")
             + f"- Prompts: {prompts}.\n"
             f"- Weights: {str(export_dtype(config)).removeprefix('torch.')} (`export.dtype`).\n\n"
             + (f"Exported from the checkpoint {source} with:" if source else "Trained with:")

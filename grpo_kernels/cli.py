@@ -101,6 +101,8 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("out", help="the directory to write (replaced if it exists)")
     ex.add_argument("--step", type=int, default=None, help="checkpoints/step_<N> of the run directory instead")
     ex.add_argument("--overwrite", action="store_true", help="replace OUT if it exists and is not empty")
+    ex.add_argument("--base-model", default=None, help="the base model's directory, where the one the checkpoint's "
+                    "config names has moved (the architecture and tokenizer; the weights are the checkpoint's)")
     ev = sub.add_parser("eval", help="score a model directory on a run's held-out prompts with its reward functions; "
                         "extra --section.field=value override the run's config")  # fmt: skip
     ev.add_argument("model", help="a Hugging Face model directory (a run's model/, an export, the base model)")
@@ -171,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
 
         command = shlex.join(["grpo-kernels", *(argv if argv is not None else sys.argv[1:])])
         try:
-            print(export_checkpoint(args.source, args.out, step=args.step, command=command, overwrite=args.overwrite))
+            print(export_checkpoint(args.source, args.out, step=args.step, command=command, overwrite=args.overwrite,
+                                    base_model=args.base_model))  # fmt: skip
         except ValueError as exc:  # (a damaged checkpoint's CheckpointError too)
             raise SystemExit(f"grpo-kernels export: error: {exc}") from None
     elif args.command == "eval":

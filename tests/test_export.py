@@ -213,6 +213,28 @@ def test_export_of_a_checkpoint_equals_the_run_stopped_there(tmp_path, capsys, m
     assert not (tmp_path / "full").exists() and not (tmp_path / ".full.partial").exists()
 
 
+def test_export_of_a_run_whose_base_model_moved_names_it_and_the_option(tmp_path):
+    from grpo_kernels.cli import main
+    from grpo_kernels.train.model.hf import write_tiny_checkpoint
+
+    base, run = write_tiny_checkpoint(tmp_path / "base"), tmp_path / "run"
+    train(load_config(None, [*TINY, f"--model.name={base}", "--optim.steps=1", "--checkpoint.every=1",
+                             f"--logging.run_dir={run}"]), log=lambda *a, **k: None)  # fmt: skip
+    moved = base.rename(tmp_path / "moved")
+    with pytest.raises(SystemExit, match=rf"the base model {base}, named in the config of .*step_1, cannot be found "
+                                         r"\(.*\): point to it with --base-model PATH"):  # fmt: skip
+        main(["export", str(run), str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match=r"--base-model .*nowhere: no such directory"):
+        main(["export", str(run), str(tmp_path / "out"), "--base-model", str(tmp_path / "nowhere")])
+    other = write_tiny_checkpoint(tmp_path / "other", hidden_size=64)
+    with pytest.raises(SystemExit, match=rf"weights of .*step_1 do not fit the base model {other}: Size mismatch"):
+        main(["export", str(run), str(tmp_path / "out"), "--base-model", str(other)])
+    assert not (tmp_path / "out").exists()
+    main(["export", str(run), str(tmp_path / "out"), "--base-model", str(moved)])
+    got, end = _tensors(tmp_path / "out"), _tensors(run / "model")
+    assert sorted(got) == sorted(end) and all(torch.equal(got[k], end[k]) for k in end)
+
+
 def test_an_untied_head_is_exported_with_its_own_weights(tmp_path):
     from grpo_kernels.train.data.tasks import tiny_model
 

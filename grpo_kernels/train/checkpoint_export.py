@@ -7,6 +7,7 @@ degree of the run that wrote it:
 The checkpoint is verified against its manifest first (the messages of `--resume`); the model is built from the
 config it was saved with (the converters applied, as the run built it), its policy weights loaded (DCP reshards
 them to one process), and written as the run's own `export` section says (dtype, shards) with the model card.
+--base-model PATH replaces the base model the config names (moved, or on another machine).
 """
 
 import json
@@ -20,6 +21,7 @@ from .config.io import load_config
 from .config.run import parse_size
 from .model.converters import apply_converters, make_converter
 from .model.export import export_dtype, export_model, model_card
+from .model.known import KNOWN_MODELS
 from .model.policy import Policy
 from .rollout.sampling import standard_error
 
@@ -63,19 +65,25 @@ def check_target(out: Path, checkpoint: Path, *, overwrite: bool) -> None:
         raise ValueError(f"{out} cannot be written: no write permission on {existing}")
 
 
-def export_checkpoint(source, out, *, step: int | None = None, command: str = "", overwrite: bool = False) -> Path:
-    """Write the checkpoint's policy as a Hugging Face directory at `out` (see the module); returns `out`."""
+def export_checkpoint(source, out, *, step: int | None = None, command: str = "", overwrite: bool = False,
+                      base_model: str | None = None) -> Path:  # fmt: skip
+    """Write the checkpoint's policy as a Hugging Face directory at `out` (see the module); returns `out`.
+    base_model: the base model's directory instead of the one the checkpoint's config names (moved, or written on
+    another machine): it gives the architecture and the tokenizer, the checkpoint the weights."""
     run_dir, checkpoint = find_checkpoint(source, step)
     check_target(Path(out), checkpoint, overwrite=overwrite)
     saved = verify_checkpoint(checkpoint)["config"]
     if not saved:
         raise ValueError(f"{checkpoint}/{MANIFEST} holds no config: export needs the config the run saved it with")
+    if base_model is not None:
+        saved = {**saved, "model": {**saved.get("model", {}), "name": str(base_model)}}
+    _check_base_model(saved.get("model", {}).get("name", "tiny"), checkpoint, given=base_model is not None)
     with warnings.catch_warnings():  # (the run's own warnings, given when it started)
         warnings.simplefilter("ignore")
         config = load_config(None, saved)
     inputs = load(config)
     model = apply_converters(inputs.model, config, [make_converter(spec) for spec in config.model.converters])
-    load_policy_weights(checkpoint, Policy(model))
+    _load_weights(checkpoint, Policy(model), config.model.name)
     state = json.loads((checkpoint / STATE_FILE).read_text())
     summary = _held_out(run_dir, state, len(inputs.eval_set))
     card = model_card(config, summary, rewards=inputs.rewards, tok=inputs.tok, command=command,
@@ -83,6 +91,29 @@ def export_checkpoint(source, out, *, step: int | None = None, command: str = ""
     return export_model(model, inputs.tok, out, dtype=export_dtype(config),
                         max_shard_bytes=parse_size(config.export.max_shard_size), card=card,
                         stop_ids=inputs.tok.stop_ids)  # fmt: skip
+
+
+def _load_weights(checkpoint: Path, policy: Policy, base: str) -> None:
+    """load_policy_weights, with a checkpoint that does not fit the base model's architecture as one line."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        load_policy_weights(checkpoint, policy)
+    except CheckpointException as exc:  # (a BaseException: DCP's wrapper of each rank's error)
+        causes = [failure[0] if isinstance(failure, tuple) else failure for failure in exc.failures.values()]
+        first = str(causes[0]).strip().splitlines()[0] if causes else str(exc)
+        raise ValueError(f"the weights of {checkpoint} do not fit the base model {base}: {first}") from None
+
+
+def _check_base_model(name: str, checkpoint: Path, *, given: bool) -> None:
+    """ValueError (one line) when the base model is neither the built-in tiny one, a known name nor a directory."""
+    if name == "tiny" or name in KNOWN_MODELS or Path(name).is_dir():
+        return
+    if given:
+        raise ValueError(f"--base-model {name}: no such directory")
+    raise ValueError(f"the base model {name}, named in the config of {checkpoint}, cannot be found (the checkpoint "
+                     "holds the trained weights, the base model's directory the architecture and the tokenizer): "
+                     "point to it with --base-model PATH")  # fmt: skip
 
 
 def _held_out(run_dir: Path, state: dict, n: int) -> dict:

@@ -26,22 +26,28 @@ TINY = ["--model.name=tiny", "--task.name=add", "--task.num_eval_prompts=8", "--
         "--task.sft_warmup_steps=0"]  # fmt: skip
 IDS = [[1, 7, 8, 30, 9, 40], [1, 12, 5, 33, 0, 0]]  # two padded rows of the tiny vocabulary
 MASK = [[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]]
+LENGTHS = [sum(m) for m in MASK]
+PACKED = [[i for row, n in zip(IDS, LENGTHS, strict=True) for i in row[:n]]]  # the two rows in one, no padding
+POSITIONS = [[p for n in LENGTHS for p in range(n)]]  # restarting at each row: transformers' packed-sequence form
 
 # Run in a fresh interpreter where this package cannot be imported: each directory's logits on IDS (eager attention)
+# and on PACKED (sdpa, no cache: transformers then masks each row from the restarting position ids)
 LOAD_ALONE = """
 import json, sys
 sys.modules["grpo_kernels"] = None  # import grpo_kernels fails
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-ids, mask = json.loads(sys.argv[1])
+ids, mask, packed, positions = json.loads(sys.argv[1])
 out = {}
 for directory in sys.argv[2:]:
     model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
     tok = AutoTokenizer.from_pretrained(directory)
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits
+        model.set_attn_implementation("sdpa")
+        packed_logits = model(input_ids=torch.tensor(packed), position_ids=torch.tensor(positions), use_cache=False).logits
     out[directory] = {"dtype": str(next(model.parameters()).dtype), "logits": logits.float().tolist(),
-                      "decoded": tok.decode([7, 8, 30])}
+                      "packed": packed_logits.float().tolist(), "decoded": tok.decode([7, 8, 30])}
 print(json.dumps(out))
 """
 
@@ -55,7 +61,8 @@ def _parts(tmp_path, *extra):
 
 
 def _load_alone(*directories) -> dict:
-    out = subprocess.run([sys.executable, "-c", LOAD_ALONE, json.dumps([IDS, MASK]), *map(str, directories)],
+    out = subprocess.run([sys.executable, "-c", LOAD_ALONE, json.dumps([IDS, MASK, PACKED, POSITIONS]),
+                          *map(str, directories)],
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -71,6 +78,14 @@ def _logits(model) -> torch.Tensor:
         return twin(input_ids=torch.tensor(IDS), attention_mask=torch.tensor(MASK)).logits
 
 
+def _packed_logits(model) -> torch.Tensor:
+    """The trained model's logits on PACKED as the trainer runs it (its own attention, the rows' cu_seqlens)."""
+    cu = torch.tensor([0, LENGTHS[0], sum(LENGTHS)], dtype=torch.int32)
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(PACKED), position_ids=torch.tensor(POSITIONS), cu_seq_lens_q=cu,
+                     cu_seq_lens_k=cu, max_length_q=max(LENGTHS), max_length_k=max(LENGTHS), use_cache=False).logits
+
+
 def test_an_export_loads_without_the_package_and_computes_the_trained_logits(tmp_path):
     config, parts, stack = _parts(tmp_path / "run")
     with stack:
@@ -82,7 +97,8 @@ def test_an_export_loads_without_the_package_and_computes_the_trained_logits(tmp
                                    max_shard_bytes=200_000, stop_ids=parts.tok.stop_ids)  # fmt: skip
         bf16 = export.export_model(model, parts.tok, tmp_path / "bf16", dtype=torch.bfloat16,
                                    max_shard_bytes=10**9, stop_ids=parts.tok.stop_ids)  # fmt: skip
-        want, state = _logits(model), hf_state_dict(model)
+        want, state, want_packed = _logits(model), hf_state_dict(model), _packed_logits(model)
+    assert config.model.attn_implementation == "grpo_varlen"  # the packed rows above ran this package's attention
     index = json.loads((fp32 / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2 and all((fp32 / s).stat().st_size <= 200_000 + 70_000 for s in shards)  # one tensor over
@@ -91,6 +107,11 @@ def test_an_export_loads_without_the_package_and_computes_the_trained_logits(tmp
     got = _load_alone(fp32, bf16)
     assert got[str(fp32)]["dtype"] == "torch.float32" and got[str(bf16)]["dtype"] == "torch.bfloat16"
     assert torch.equal(torch.tensor(got[str(fp32)]["logits"]), want)  # the same weights and ops: the same bits
+    packed = torch.tensor(got[str(fp32)]["packed"])  # transformers' own packed attention, another kernel than ours
+    torch.testing.assert_close(packed, want_packed, rtol=1e-5, atol=1e-5)
+    unpadded = torch.cat([want[0, : LENGTHS[0]], want[1, : LENGTHS[1]]])  # and the padded rows' logits, unpadded
+    torch.testing.assert_close(packed[0], unpadded, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(packed[0, LENGTHS[0]:], want[0, : LENGTHS[1]], atol=1e-3)  # row 2 does not see row 1
     assert got[str(fp32)]["decoded"] == parts.tok.decode([7, 8, 30])
     from safetensors.torch import load_file
 

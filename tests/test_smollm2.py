@@ -3,7 +3,8 @@
 Conversion is cached and atomic with one-line errors; prompts go through the chat template exactly as the tokenizer's
 own apply_chat_template renders them; the packed forward (plain and shared-prefix) gives the unpacked per-token
 log-probs; two training steps with each sampler keep the sampler's log-probs equal to the trainer's after the weight
-push. The model is converted once per session into a temporary cache (about 45 s)."""
+push, and vLLM alone (no plugin) serves the run's exported model with transformers' greedy completions. The model
+is converted once per session into a temporary cache (about 45 s)."""
 
 import json
 import os
@@ -269,6 +270,36 @@ def test_packed_log_probs_equal_the_unpacked_forward(model_dir, shared_prefix):
     assert worst <= 1e-4, f"max |packed - unpacked| = {worst:.2e}"
 
 
+# vLLM on the exported directory, in a process with no plugin loaded (VLLM_PLUGINS empty: vLLM would otherwise
+# import this package's): greedy completions of chat messages, rendered by the saved tokenizer's chat template
+SERVE_EXPORT = """
+import json, os, sys
+os.environ.update(VLLM_PLUGINS="", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+import vllm
+llm = vllm.LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=256, enable_chunked_prefill=False)
+outs = llm.chat(json.loads(sys.argv[2]), vllm.SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+print(json.dumps({"ids": [list(o.outputs[0].token_ids) for o in outs], "imported": "grpo_kernels" in sys.modules}))
+"""
+
+
+def _vllm_serves_it_as_transformers_does(directory: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    chats = [[{"role": "user", "content": q}] for q in ("What is 7 + 5? Reply with only the number.", "Name a color.")]
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-c", SERVE_EXPORT, str(directory), json.dumps(chats)], capture_output=True,
+                          text=True, timeout=300, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    served = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not served["imported"]  # vLLM ran without this package
+    tok, model = AutoTokenizer.from_pretrained(directory), AutoModelForCausalLM.from_pretrained(directory).eval()
+    for chat, got in zip(chats, served["ids"], strict=True):
+        prompt = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        with torch.no_grad():
+            out = model.generate(**prompt, max_new_tokens=16, do_sample=False)
+        assert out[0, prompt["input_ids"].shape[1] :].tolist() == got, tok.decode(got)
+
+
 @pytest.mark.parametrize("sampler", ["hf", "vllm"])
 def test_two_training_steps_keep_sampler_and_trainer_log_probs_equal(sampler, cache, tmp_path):
     run = tmp_path / "run"
@@ -291,3 +322,5 @@ def test_two_training_steps_keep_sampler_and_trainer_log_probs_equal(sampler, ca
     # grpo_kernels.train.rollout.vllm_sampler; "Failed to load weights" of the rotary cache was logged on every sync).
     alarming = re.compile(r"Traceback|Error|[Ff]ail|crash|incorrect|not installed")
     assert [line for line in (proc.stdout + proc.stderr).splitlines() if alarming.search(line)] == []
+    if sampler == "vllm":  # the run's exported model, served by vLLM alone, answers as transformers does
+        _vllm_serves_it_as_transformers_does(run / "model")

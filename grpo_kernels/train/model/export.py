@@ -53,7 +53,7 @@ def export_model(model, tok, out, *, dtype: torch.dtype, max_shard_bytes: int, c
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    parts, shard, size, total = [], {}, 0, 0
+    parts, shard, size, total, storages = [], {}, 0, 0, set()
 
     def flush():
         nonlocal shard, size
@@ -63,6 +63,7 @@ def export_model(model, tok, out, *, dtype: torch.dtype, max_shard_bytes: int, c
             path.chmod(0o644)  # (readable as save_pretrained's files are: a server may run as another user)
             parts.append((path, sorted(shard)))
         shard, size = {}, 0
+        storages.clear()
 
     for name, tensor in hf_named_weights(model, model.state_dict().items()):
         full = _full(tensor)  # (a collective when sharded: every rank takes part)
@@ -74,7 +75,11 @@ def export_model(model, tok, out, *, dtype: torch.dtype, max_shard_bytes: int, c
         nbytes = value.numel() * value.element_size()
         if size and size + nbytes > max_shard_bytes:
             flush()
-        shard[name] = value.clone() if value.data_ptr() == full.data_ptr() else value
+        # The shard holds the tensor itself (a parameter of an unsharded model is not copied: nothing changes it
+        # before the shard is written), unless it shares memory with one held already (safetensors refuses that).
+        storage = value.untyped_storage().data_ptr()
+        shard[name] = value.clone() if storage in storages else value
+        storages.add(shard[name].untyped_storage().data_ptr())
         size += nbytes
         total += nbytes
     if d.is_main:

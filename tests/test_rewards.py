@@ -5,6 +5,7 @@ timeouts, worker processes, and a clear error for every bad input."""
 import asyncio
 import math
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -394,3 +395,91 @@ def test_the_timeout_stops_a_hung_function_where_sigint_is_ignored(trl_file, tmp
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # fmt: skip
     assert "stopped: reward function 'hangs'" in out.stdout, out.stdout + out.stderr
     assert "ignored after: True" in out.stdout
+
+
+HYGIENE_FILE = '''
+import os, subprocess, time
+
+import neighbour_helper  # a top-level import of a file beside this one
+
+def swallows(completions, **kwargs):
+    """A grader whose bare except swallows an interrupt: one slow check per completion."""
+    out = []
+    for c in completions:
+        try:
+            time.sleep(5)
+        except:  # noqa: E722
+            pass
+        out.append(neighbour_helper.ZERO)
+    return out
+
+def slow_by_answer(completions, answer, **kwargs):
+    time.sleep(float(answer[0]))
+    return [1.0] * len(completions)
+
+def starts_a_child(completions, answer, **kwargs):
+    child = subprocess.Popen(["sleep", "60"])
+    with open(answer[0], "w") as f:
+        f.write(str(child.pid))
+    time.sleep(60)
+'''
+
+
+@pytest.fixture
+def hygiene_file(tmp_path):
+    (tmp_path / "neighbour_helper.py").write_text("ZERO = 0.0\n")
+    (tmp_path / "colorsys.py").write_text("SHADOW = True\n")  # a neighbour named like a standard module
+    path = tmp_path / "hygiene.py"
+    path.write_text(HYGIENE_FILE)
+    return path
+
+
+def test_a_reward_files_folder_is_on_sys_path_only_while_it_is_imported(hygiene_file):
+    import importlib
+    import sys
+
+    load_reward_function(f"{hygiene_file}:swallows")  # its top-level import of its neighbour works
+    assert str(hygiene_file.parent) not in sys.path
+    saved = sys.modules.pop("colorsys", None)
+    try:
+        assert not hasattr(importlib.import_module("colorsys"), "SHADOW")  # the standard module, not the neighbour
+    finally:
+        sys.modules.pop("colorsys", None)
+        if saved is not None:
+            sys.modules["colorsys"] = saved
+
+
+def test_a_timeout_is_an_error_even_when_the_function_swallows_the_interrupt(hygiene_file):
+    rewards = Rewards([load_reward_function(f"{hygiene_file}:swallows")], timeout_s=0.5)
+    start = time.perf_counter()
+    with pytest.raises(RewardError, match=r"'swallows' .* did not return within task.reward_timeout_s = 0.5 s at "
+                                          r"step 2 \(it caught the interrupt and returned after"):  # fmt: skip
+        rewards.score(_examples(["1", "2", "3"]), ["1", "2", "3"], [[1]] * 3, step=2)
+    assert time.perf_counter() - start < 3  # each swallowed interrupt is followed by another (not 3 x 5 s)
+
+
+def test_the_worker_pool_has_one_deadline_per_batch_and_stops_what_the_workers_started(hygiene_file, tmp_path):
+    import os
+
+    rewards = Rewards([load_reward_function(f"{hygiene_file}:slow_by_answer")], timeout_s=1.0, processes=2)
+    try:  # the two halves take 0.7 s and 1.4 s, in parallel: each within 1 s of its own wait, the batch not
+        with pytest.raises(RewardError, match=r"'slow_by_answer' .* did not return within task.reward_timeout_s"):
+            rewards.score(_examples(["0.7", "1.4"]), ["a", "b"], [[1]] * 2, step=0)
+    finally:
+        rewards.close()
+    pid_file = tmp_path / "child.pid"
+    rewards = Rewards([load_reward_function(f"{hygiene_file}:starts_a_child")], timeout_s=1.0, processes=1)
+    try:
+        with pytest.raises(RewardError, match="did not return within"):
+            rewards.score(_examples([str(pid_file)]), ["a"], [[1]], step=0)
+    finally:
+        rewards.close()
+    child = int(pid_file.read_text())
+    for _ in range(50):  # the worker's own child (a grader's subprocess) is stopped with it
+        stat = Path(f"/proc/{child}/stat")
+        if not stat.exists() or stat.read_text().split(")")[-1].split()[0] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, 9)
+        pytest.fail(f"the reward worker's child {child} is still running")

@@ -3,9 +3,11 @@
     task.reward_funcs = ["my_pkg.rewards:correct", "rewards.py:format_ok"]     # module or file, then the function
     task.reward_weights = [1.0, 0.2]                                           # default: 1 each
 
-A spec is "module.path:function" or "path/to/file.py:function" (a file's folder goes on sys.path, so it may import
-its neighbours; a relative path was resolved when the config loaded: against the config file's folder, or the
-working directory for a command-line override). A file without ":function" means verl's default, `compute_score`.
+A spec is "module.path:function" or "path/to/file.py:function" (a file's folder is on sys.path while the file runs,
+so its top-level imports may name its neighbours; an import inside a function cannot, so that a neighbour named like
+a package never shadows it for the rest of the process; a relative path was resolved when the config loaded:
+against the config file's folder, or the working directory for a command-line override). A file without ":function"
+means verl's default, `compute_score`.
 The names of the built-in rewards ("exact", "numeric", "math_verify", "arith_correct", "arith_format":
 grpo_kernels.train.data.rewards_builtin) are specs too.
 
@@ -34,105 +36,20 @@ returns the wrong number of values, a value that is not a number, an infinity, o
 """
 
 import asyncio
-import importlib
-import importlib.util
-import inspect
 import math
 import numbers
-import sys
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from ..config.task import is_file_spec, resolve_spec
+from ..config.task import resolve_spec
+from .reward_loading import RewardError, RewardFunction, load_reward_function
 from .rewards_builtin import BUILTIN, completion_text
 
 __all__ = ["BUILTIN", "RewardError", "RewardFunction", "Rewards", "load_reward_function", "resolve_spec"]
-
-
-class RewardError(ValueError):
-    """A reward function that cannot be loaded, or that did something wrong during a run."""
-
-
-@dataclass(frozen=True)
-class RewardFunction:
-    """One reward function: its name (metrics: `rewards/<name>/mean`), the callable, how it is called."""
-
-    name: str
-    func: object
-    spec: str
-    verl: bool = False
-    """verl's compute_score(data_source, solution_str, ground_truth, extra_info): called once per completion."""
-
-    @property
-    def is_async(self) -> bool:
-        return inspect.iscoroutinefunction(self.func)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Loading a spec.
-
-
-_FILE_MODULES: dict = {}
-
-
-def load_reward_function(spec: str) -> RewardFunction:
-    """The reward function a spec names; RewardError (naming the spec) when it does not import or names no
-    callable."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise RewardError(f"task.reward_funcs: a spec is 'module:function' or 'file.py:function', got {spec!r}")
-    if spec in BUILTIN:
-        if spec == "math_verify" and importlib.util.find_spec("math_verify") is None:
-            raise RewardError("task.reward_funcs: the built-in 'math_verify' needs the math-verify package: pip "
-                              "install 'grpo-kernels[math]'")  # fmt: skip
-        return RewardFunction(spec, BUILTIN[spec], spec)
-    if is_file_spec(spec):
-        path, name = (spec, "compute_score") if spec.endswith(".py") else spec.rsplit(":", 1)
-        module = _import_file(Path(path), spec)
-    elif ":" in spec:
-        module_name, name = spec.rsplit(":", 1)
-        try:
-            module = importlib.import_module(module_name)
-        except Exception as exc:  # noqa: BLE001  whatever importing it raised is the user's to see
-            raise RewardError(f"task.reward_funcs: {spec!r}: importing {module_name} failed: "
-                              f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
-    else:
-        raise RewardError(f"task.reward_funcs: {spec!r} is neither a built-in reward ({', '.join(BUILTIN)}) nor "
-                          "'module:function' / 'file.py:function'")  # fmt: skip
-    func = getattr(module, name, None)
-    if func is None or not callable(func):
-        found = "nothing" if func is None else f"a {type(func).__name__}, not a function"
-        raise RewardError(f"task.reward_funcs: {spec!r}: {name} in {module.__name__} is {found}")
-    params = inspect.signature(func).parameters
-    verl = "solution_str" in params and "ground_truth" in params
-    return RewardFunction(getattr(func, "__name__", name), func, spec, verl=verl)
-
-
-def _import_file(path: Path, spec: str):
-    """The file run as a module, once per version of it (a file edited since is run again: a fixed reward file
-    for a resumed run in the same process)."""
-    path = path.resolve()
-    if not path.is_file():
-        raise RewardError(f"task.reward_funcs: {spec!r}: no file {path}")
-    stat = path.stat()
-    key = (path, stat.st_mtime_ns, stat.st_size)
-    if key in _FILE_MODULES:
-        return _FILE_MODULES[key]
-    if str(path.parent) not in sys.path:  # the file may import its neighbours
-        sys.path.insert(0, str(path.parent))
-    module_spec = importlib.util.spec_from_file_location(f"grpo_rewards_{path.stem}_{len(_FILE_MODULES)}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001
-        raise RewardError(f"task.reward_funcs: {spec!r}: running {path} failed: {type(exc).__name__}: {exc}") from exc
-    _FILE_MODULES[key] = module
-    return module
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -241,10 +158,20 @@ class Rewards:
         return out
 
     def close(self) -> None:
+        """Stop the worker processes and whatever they started (each worker leads its own process group)."""
         if self._pool is not None:
-            self._pool.terminate()
+            import os
+            import signal
+
+            groups = [w.pid for w in getattr(self._pool, "_pool", ())]  # (multiprocessing.Pool's worker processes)
+            self._pool.terminate()  # first: a worker killed while it holds the task queue's lock would hang this
             self._pool.join()
             self._pool = None
+            for group in groups:  # what a worker started lives on in its group after it
+                try:
+                    os.killpg(group, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError, TypeError):  # nothing left, or never started
+                    pass
 
     # ---- calls -------------------------------------------------------------------------------------------------
 
@@ -283,7 +210,7 @@ class Rewards:
 
         if self._pool is None:  # started (the workers import the functions) before any call's timeout runs
             specs = [g.spec for g in self.functions if not g.is_async]
-            self._pool = multiprocessing.get_context("spawn").Pool(self.processes, _load_in_child, (specs,))
+            self._pool = multiprocessing.get_context("spawn").Pool(self.processes, _start_child, (specs,))
             self._pool.map(_load_in_child, [specs] * (2 * self.processes), chunksize=1)
         n = len(kwargs["completions"])
         bounds = [round(i * n / self.processes) for i in range(self.processes + 1)]
@@ -295,9 +222,10 @@ class Rewards:
                 part = {k: v[a:b] if isinstance(v, list) else v for k, v in plain.items()}
                 jobs.append(self._pool.apply_async(_call_in_child, (f.spec, part, state, self.task_name)))
         values = []
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s  # one for the whole batch
         for job in jobs:
             try:
-                part, logged, error = job.get(self.timeout_s)
+                part, logged, error = job.get(None if deadline is None else max(0.0, deadline - time.monotonic()))
             except multiprocessing.TimeoutError:
                 self.close()
                 raise RewardError(f"reward function {f.name!r} ({f.spec}) did not return within "
@@ -391,8 +319,24 @@ def _run_async(coroutines: list) -> list:
 _CHILD_FUNCTIONS: dict = {}
 
 
+def _start_child(specs: list) -> None:
+    """A worker's start: its own process group (stopping the group stops what a function started too), then the
+    reward functions imported."""
+    import os
+
+    os.setsid()  # (a new session, not only a group: a background group that writes to a terminal is stopped)
+    try:  # and it ends with the trainer, which no longer takes it down with its own group (Linux: PR_SET_PDEATHSIG)
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    _load_in_child(specs)
+
+
 def _load_in_child(specs: list) -> None:
-    """A worker's start: the reward functions imported once (a spec that fails is reported by the call)."""
+    """The reward functions imported once (a spec that fails is reported by the call)."""
     for spec in specs:
         if spec not in _CHILD_FUNCTIONS:
             try:
@@ -421,9 +365,13 @@ def _call_in_child(spec: str, kwargs: dict, state: dict, task_name: str):
 
 class _Deadline:
     """task.reward_timeout_s for a plain call in the main thread: a timer sends the main thread SIGINT when the call
-    runs past it (KeyboardInterrupt, under Python's default handler), turned into a RewardError. Where SIGINT is
+    runs past it (KeyboardInterrupt, under Python's default handler), and again every REPEAT_S until the call ends
+    (a grader whose bare `except:` swallows one interrupt per item is cut short at each); a call that ran past it is
+    a RewardError however it ended, a value returned after swallowing the interrupts included. Where SIGINT is
     ignored (a process a shell started in the background inherits that), Python's handler is put back for the call
     and the ignoring after it: else a hung call would hang the run. Elsewhere: nothing."""
+
+    REPEAT_S = 0.2
 
     def __init__(self, timeout_s, f: RewardFunction, step: int):
         self.timeout_s, self.f, self.step = timeout_s, f, step
@@ -438,30 +386,37 @@ class _Deadline:
 
             if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # as a shell leaves a job it starts in the background
                 self.restore = signal.signal(signal.SIGINT, signal.default_int_handler)  # for this call only
-            target = threading.main_thread().ident
+            target, self.done = threading.main_thread().ident, threading.Event()
 
             def fire():  # a real SIGINT to the main thread: it also ends a blocking call (a sleep, a socket read)
+                if self.done.wait(self.timeout_s):
+                    return
                 self.fired.set()
-                signal.pthread_kill(target, signal.SIGINT)
+                while True:
+                    signal.pthread_kill(target, signal.SIGINT)
+                    if self.done.wait(self.REPEAT_S):
+                        return
 
-            self.timer = threading.Timer(self.timeout_s, fire)
-            self.timer.daemon = True
+            self.start = time.monotonic()
+            self.timer = threading.Thread(target=fire, daemon=True, name="reward-deadline")
             self.timer.start()
         return self
 
     def __exit__(self, kind, value, tb):
         try:
             if self.timer is not None:
-                self.timer.cancel()
+                self.done.set()
                 self.timer.join()
-            if kind is KeyboardInterrupt and self.fired.is_set():
-                raise RewardError(f"reward function {self.f.name!r} ({self.f.spec}) did not return within task."
-                                  f"reward_timeout_s = {self.timeout_s} s at step {self.step} (interrupted)") from None
-            if kind is None and self.fired.is_set():  # fired as the call returned: the interrupt is still pending
-                try:
+            if self.fired.is_set():
+                took = time.monotonic() - self.start
+                try:  # an interrupt sent before the timer stopped may still be pending: it lands here, not later
                     threading.Event().wait(0.05)
                 except KeyboardInterrupt:
                     pass
+                how = "interrupted" if kind is KeyboardInterrupt else (
+                    f"it caught the interrupt and {'returned' if kind is None else 'raised'} after {took:.1f} s")
+                raise RewardError(f"reward function {self.f.name!r} ({self.f.spec}) did not return within task."
+                                  f"reward_timeout_s = {self.timeout_s} s at step {self.step} ({how})") from None
             return False
         finally:
             if self.restore is not None:

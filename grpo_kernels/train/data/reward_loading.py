@@ -1,0 +1,101 @@
+"""Loading a reward function from its spec (the built-in names, "module:function", "file.py:function"; see
+grpo_kernels.train.data.rewards for the forms and the calling conventions), and the error every reward problem is.
+A file's folder is on sys.path only while the file runs: its top-level imports may name its neighbours, and a
+neighbour named like a package (a safetensors.py) never shadows that package for the rest of the process."""
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config.task import is_file_spec
+from .rewards_builtin import BUILTIN
+
+__all__ = ["RewardError", "RewardFunction", "load_reward_function"]
+
+
+class RewardError(ValueError):
+    """A reward function that cannot be loaded, or that did something wrong during a run."""
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    """One reward function: its name (metrics: `rewards/<name>/mean`), the callable, how it is called."""
+
+    name: str
+    func: object
+    spec: str
+    verl: bool = False
+    """verl's compute_score(data_source, solution_str, ground_truth, extra_info): called once per completion."""
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.func)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Loading a spec.
+
+
+_FILE_MODULES: dict = {}
+
+
+def load_reward_function(spec: str) -> RewardFunction:
+    """The reward function a spec names; RewardError (naming the spec) when it does not import or names no
+    callable."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise RewardError(f"task.reward_funcs: a spec is 'module:function' or 'file.py:function', got {spec!r}")
+    if spec in BUILTIN:
+        if spec == "math_verify" and importlib.util.find_spec("math_verify") is None:
+            raise RewardError("task.reward_funcs: the built-in 'math_verify' needs the math-verify package: pip "
+                              "install 'grpo-kernels[math]'")  # fmt: skip
+        return RewardFunction(spec, BUILTIN[spec], spec)
+    if is_file_spec(spec):
+        path, name = (spec, "compute_score") if spec.endswith(".py") else spec.rsplit(":", 1)
+        module = _import_file(Path(path), spec)
+    elif ":" in spec:
+        module_name, name = spec.rsplit(":", 1)
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as exc:  # noqa: BLE001  whatever importing it raised is the user's to see
+            raise RewardError(f"task.reward_funcs: {spec!r}: importing {module_name} failed: "
+                              f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
+    else:
+        raise RewardError(f"task.reward_funcs: {spec!r} is neither a built-in reward ({', '.join(BUILTIN)}) nor "
+                          "'module:function' / 'file.py:function'")  # fmt: skip
+    func = getattr(module, name, None)
+    if func is None or not callable(func):
+        found = "nothing" if func is None else f"a {type(func).__name__}, not a function"
+        raise RewardError(f"task.reward_funcs: {spec!r}: {name} in {module.__name__} is {found}")
+    params = inspect.signature(func).parameters
+    verl = "solution_str" in params and "ground_truth" in params
+    return RewardFunction(getattr(func, "__name__", name), func, spec, verl=verl)
+
+
+def _import_file(path: Path, spec: str):
+    """The file run as a module, once per version of it (a file edited since is run again: a fixed reward file
+    for a resumed run in the same process)."""
+    path = path.resolve()
+    if not path.is_file():
+        raise RewardError(f"task.reward_funcs: {spec!r}: no file {path}")
+    stat = path.stat()
+    key = (path, stat.st_mtime_ns, stat.st_size)
+    if key in _FILE_MODULES:
+        return _FILE_MODULES[key]
+    module_spec = importlib.util.spec_from_file_location(f"grpo_rewards_{path.stem}_{len(_FILE_MODULES)}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    folder = str(path.parent)
+    added = folder not in sys.path
+    if added:  # the file may import its neighbours at its top level, and only there: a neighbour named like a
+        sys.path.insert(0, folder)  # package (a safetensors.py) must not shadow it for the rest of the process
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001
+        raise RewardError(f"task.reward_funcs: {spec!r}: running {path} failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        if added and folder in sys.path:
+            sys.path.remove(folder)
+    _FILE_MODULES[key] = module
+    return module

@@ -258,8 +258,8 @@ def test_a_reward_function_that_misbehaves_is_named_with_the_step_and_the_row(tm
     ("no_such_module_xyz:f", r"'no_such_module_xyz:f': importing no_such_module_xyz failed: ModuleNotFoundError"),
     ("{dir}/missing.py:f", r"no file .*missing.py"),
     ("{dir}/broken.py:f", r"running .*broken.py failed: ZeroDivisionError"),
-    ("{dir}/bad.py:nothing", r"nothing in .* is nothing"),
-    ("{dir}/bad.py:NOT_CALLABLE", r"NOT_CALLABLE in .* is a int, not a function"),
+    ("{dir}/bad.py:nothing", r"nothing in /.*/bad\.py is nothing \(its functions: a_complex, .*raises, too_few\)"),
+    ("{dir}/bad.py:NOT_CALLABLE", r"NOT_CALLABLE in /.*/bad\.py is a int, not a function \(its functions: a_complex"),
     ("just_a_word", r"'just_a_word' is neither a built-in reward"),
 ])  # fmt: skip
 def test_a_spec_that_does_not_load_is_an_error_naming_it(tmp_path, spec, message):

@@ -68,7 +68,11 @@ def load_reward_function(spec: str) -> RewardFunction:
     func = getattr(module, name, None)
     if func is None or not callable(func):
         found = "nothing" if func is None else f"a {type(func).__name__}, not a function"
-        raise RewardError(f"task.reward_funcs: {spec!r}: {name} in {module.__name__} is {found}")
+        where = getattr(module, "__file__", None) if is_file_spec(spec) else module.__name__
+        functions = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_")
+                           and getattr(v, "__module__", None) == module.__name__)  # fmt: skip
+        raise RewardError(f"task.reward_funcs: {spec!r}: {name} in {where} is {found} (its functions: "
+                          f"{', '.join(functions) or 'none'})")  # fmt: skip
     params = inspect.signature(func).parameters
     verl = "solution_str" in params and "ground_truth" in params
     return RewardFunction(getattr(func, "__name__", name), func, spec, verl=verl)

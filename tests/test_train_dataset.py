@@ -85,6 +85,9 @@ def test_the_columns_reach_the_reward_functions_under_their_names(tmp_path):
     ("data.csv", ["task.split=test"], r"task.split / task.eval_split 'test': the file .* is one split, \"train\""),
     ("folder", ["task.eval_split=validation"], r"no split 'validation'"),
     ("empty.jsonl", [], r"no examples"),
+    ("empty.csv", [], r"task.dataset .*empty.csv: no examples \(the file holds no rows\)$"),
+    ("header.csv", [], r"task.dataset .*header.csv: no examples \(no rows in split 'train'\)$"),
+    ("empty.parquet", [], r"task.dataset .*empty.parquet: no examples \(the file holds no rows\)$"),
     ("ints.jsonl", [], r"row|:1: \"question\" must be a string or a non-empty list"),
     ("data.csv", ["task.num_eval_prompts=10"], r"holds out every one of the 10 examples"),
 ])  # fmt: skip
@@ -99,6 +102,12 @@ def test_bad_datasets_are_refused_naming_the_row_or_the_option(tmp_path, make, o
         _write(source / "train.jsonl", ROWS)
     elif make == "empty.jsonl":
         source.write_text("\n")
+    elif make in ("empty.csv", "header.csv"):
+        source.write_text("question,solution\n" if make == "header.csv" else "")
+    elif make == "empty.parquet":
+        import datasets
+
+        datasets.Dataset.from_dict({"question": [], "solution": []}).to_parquet(str(source))
     elif make == "ints.jsonl":
         _write(source, [{"question": 3, "solution": "3"}])
     with pytest.raises(ValueError, match=message):

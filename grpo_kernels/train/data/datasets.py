@@ -83,6 +83,8 @@ def load_rows(source: str, split: str) -> list:
             raise ValueError(f"task.dataset {source}: unknown file format {path.suffix!r} (one of "
                              f"{', '.join(sorted(_FORMATS))}, or .jsonl)")  # fmt: skip
         _only_train(split, source)
+        if _holds_no_rows(path):
+            raise ValueError(f"task.dataset {source}: no examples (the file holds no rows)")
         loaded = _load(datasets, source, split, builder, data_files=str(path), split="train")
     elif path.exists() or source.startswith((".", "/", "~")):
         if not path.exists():
@@ -102,10 +104,26 @@ def _only_train(split: str, source: str) -> None:
                          "prompts out with task.num_eval_prompts, or give a folder with a file per split)")
 
 
+def _holds_no_rows(path: Path) -> bool:
+    """An empty file, or a Parquet file of no rows (the datasets library fails on both with a traceback)."""
+    if path.stat().st_size == 0:
+        return True
+    if path.suffix.lower() != ".parquet":
+        return False
+    try:
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows == 0
+    except Exception:  # noqa: BLE001  not a Parquet file pyarrow reads: the loader says why
+        return False
+
+
 def _load(datasets, source: str, wanted: str, *args, **kwargs):
     try:
         return datasets.load_dataset(*args, **kwargs)
     except ValueError as exc:
+        if "corresponds to no data" in str(exc):  # a CSV of a header alone
+            raise ValueError(f"task.dataset {source}: no examples (no rows in split {wanted!r})") from exc
         if "split" in str(exc).lower() or "Unknown split" in str(exc):
             raise ValueError(f"task.dataset {source}: no split {wanted!r} ({exc})") from exc
         raise ValueError(f"task.dataset {source}: {exc}") from exc

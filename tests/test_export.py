@@ -45,7 +45,8 @@ for directory in sys.argv[2:]:
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits
         model.set_attn_implementation("sdpa")
-        packed_logits = model(input_ids=torch.tensor(packed), position_ids=torch.tensor(positions), use_cache=False).logits
+        packed_logits = model(input_ids=torch.tensor(packed), position_ids=torch.tensor(positions),
+                              use_cache=False).logits
     out[directory] = {"dtype": str(next(model.parameters()).dtype), "logits": logits.float().tolist(),
                       "packed": packed_logits.float().tolist(), "decoded": tok.decode([7, 8, 30])}
 print(json.dumps(out))

@@ -199,8 +199,9 @@ class RowsTask(Task):
                               f"{len(held_out)} examples: evaluating on {len(held_out)}", stacklevel=2)  # fmt: skip
         if len(order) < num_train:
             after = f" after holding out {num_eval}" if self.eval_rows is None and num_eval else ""
-            warnings.warn(f"task.num_train_prompts = {num_train}, but {self.source} has {len(order)} examples "
-                          f"to train on{after}: training on {len(order)}, reshuffled every epoch", stacklevel=2)  # fmt: skip
+            warnings.warn(f"task.num_train_prompts = {num_train}, but {self.source} has {len(order)} examples to "
+                          f"train on{after}: training on {len(order)}, reshuffled every epoch",
+                          stacklevel=2)  # fmt: skip
         self.trained = [self.train_rows[i] for i in order[:num_train]]
         return self.trained, held_out
 

@@ -242,7 +242,6 @@ def a_complex(completions, **kwargs):
     ("too_few", r"'too_few' .* at step 2 returned 1 values for 2 completions"),
     ("a_string", r"'a_string' .* at step 2, row 1 \(prompt 'q1'\) returned str 'high': a reward is a number or None"),
     ("infinite", r"'infinite' .* at step 2, row 1 \(prompt 'q1'\) returned inf: a reward is finite"),
-    ("nan", r"'nan' .* at step 2, row 0 \(prompt 'q0'\) returned NaN: return None for a completion the function "),
     ("not_a_list", r"'not_a_list' .* at step 2 returned float, not one value per completion \(2\)"),
     ("a_numpy_string", r"'a_numpy_string' .* row 1 \(prompt 'q1'\) returned str_ .*'high'.*: a reward is a number "),
     ("a_complex", r"'a_complex' .* at step 2, row 1 \(prompt 'q1'\) returned complex 1j: a reward is a number or "),
@@ -252,6 +251,23 @@ def test_a_reward_function_that_misbehaves_is_named_with_the_step_and_the_row(tm
     path.write_text(BAD_FILE)
     with pytest.raises(RewardError, match=message):
         Rewards([load_reward_function(f"{path}:{name}")]).score(_examples(["1", "2"]), ["1", "2"], [[1], [2]], step=2)
+
+
+def test_a_nan_reward_is_taken_as_none_as_trl_takes_it_with_one_warning(tmp_path):
+    import warnings
+
+    path = tmp_path / "bad.py"
+    path.write_text(BAD_FILE)
+    function = load_reward_function(f"{path}:nan")
+    rewards = Rewards([function, load_reward_function("exact")])
+    with pytest.warns(UserWarning, match=r"'nan' .* at step 2, row 0 \(prompt 'q0'\) returned NaN: taken as None"):
+        ours = rewards.score(_examples(["1", "2"]), ["1", "x"], [[1], [2]], step=2)
+    theirs = torch.tensor([torch.nan if v is None else v for v in function.func(completions=["1", "x"])])  # TRL's
+    torch.testing.assert_close(ours[:, 0].float(), theirs, equal_nan=True)
+    assert rewards.combine(ours).tolist() == [1.0, 1.0]  # the NaN skipped in the weighted sum, as TRL's nansum does
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per function: the second batch is quiet
+        rewards.score(_examples(["1", "2"]), ["1", "x"], [[1], [2]], step=3)
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -31,8 +31,10 @@ bounds every call where a hung one can be stopped: a plain function in the main 
 an async one that awaits, and the worker processes (they are stopped); a plain function in another thread (the
 decoupled sampler's) cannot be, and the trainer says so when the run starts.
 
-Anything else a function does wrong is a `RewardError` naming the function, the step and the row: it raises, it
-returns the wrong number of values, a value that is not a number, an infinity, or a NaN (return None instead).
+A NaN is taken as None, as TRL takes it (its tensor of the values keeps the NaN and its nansum skips it), with a
+warning the first time each function returns one. Anything else a function does wrong is a `RewardError` naming the
+function, the step and the row: it raises, it returns the wrong number of values, a value that is not a number, or an
+infinity.
 """
 
 import asyncio
@@ -40,6 +42,7 @@ import math
 import numbers
 import threading
 import time
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
@@ -86,6 +89,7 @@ class Rewards:
         self.logged: dict = {}  # log_metric's values since the last `take_logged`
         self.seconds = 0.0  # spent scoring since the last `take_logged`
         self._pool = None
+        self._warned_nan: set = set()  # the functions that returned a NaN (warned once each)
 
     def score(self, examples, completions, completion_ids, *, step: int, max_steps: int = 0,
               record: bool = True) -> torch.Tensor:  # fmt: skip
@@ -260,9 +264,13 @@ class Rewards:
             if number is None:
                 raise RewardError(f"{row} returned {type(v).__name__} {_short(v)}: a reward is a number or None")
             v = number
-            if math.isnan(v):
-                raise RewardError(f"{row} returned NaN: return None for a completion the function does not apply "
-                                  "to")  # fmt: skip
+            if math.isnan(v):  # TRL's tensor of the values keeps a NaN, and its nansum skips it: as None
+                if f.name not in self._warned_nan:
+                    self._warned_nan.add(f.name)
+                    warnings.warn(f"{row} returned NaN: taken as None (the function does not apply), as TRL takes "
+                                  "it; return None to say so (warned once per function)", stacklevel=2)  # fmt: skip
+                out.append(float("nan"))
+                continue
             if math.isinf(v):
                 raise RewardError(f"{row} returned {v}: a reward is finite")
             out.append(v)

@@ -94,3 +94,27 @@ def test_max_batch_rows_is_checked(model_and_prompts):
     tok, model, _ = model_and_prompts
     with pytest.raises(ValueError, match="max_batch_rows"):
         HFSampler(model, eos_id=tok.eos_id, pad_id=tok.pad_id, max_new_tokens=4, max_batch_rows=0)
+
+
+def test_generate_batches_of_one_prompt_length_do_not_warn_about_the_attention_mask(model_and_prompts):
+    """transformers warns that no attention mask is set when pad and end-of-sequence ids are one (SmolLM2's): every
+    call here holds prompts of one length, so the warning is harmless and filtered, the inputs unchanged."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    tok, model, prompts = model_and_prompts
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    log = logging.getLogger("transformers.generation.utils")
+    log.addHandler(handler)
+    hf_logging.logging.Logger.warning_once.cache_clear()  # (a warning given once already in this process)
+    try:
+        sampler = HFSampler(model, eos_id=tok.eos_id, pad_id=tok.eos_id, max_new_tokens=4)
+        sampler.sample(prompts, 2, seeds=list(range(len(prompts))))
+        assert not [m for m in seen if "attention mask" in m], seen
+        log.warning("The attention mask is not set (a test line)")  # the filter is on only during generate
+        assert seen[-1] == "The attention mask is not set (a test line)"
+    finally:
+        log.removeHandler(handler)

@@ -14,6 +14,8 @@ GenerationConfig and the model's own generation defaults (repetition penalty, to
 runs, so they never change the draw.
 """
 
+import logging
+
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
@@ -67,6 +69,19 @@ def row_seed(seed: int, member: int) -> int:
     repeated completion only where the two rows share a prompt. Draws of distinct rows, of one row across steps
     and along a row are tested for independence (tests/test_bench_statistics.py)."""
     return splitmix64(seed * _GOLDEN + member + 1)
+
+
+class _OneLengthBatches(logging.Filter):
+    """transformers' "The attention mask is not set ..." warning, for a `generate` call of prompts of one length (no
+    padding: nothing to mask), where it is harmless; a logger filter, so that the inputs (and the draws) stay as
+    they are."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "attention mask" not in record.getMessage()
+
+
+_QUIET = _OneLengthBatches()
+_GENERATE_LOG = logging.getLogger("transformers.generation.utils")
 
 
 class HFSampler:
@@ -131,8 +146,12 @@ class HFSampler:
         config = GenerationConfig(max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=self.pad_id,
                                   eos_token_id=self.stop_ids, use_cache=True)  # fmt: skip
         draw = SeededSampling(generators, self.temperature, self.top_p)
-        sequences = self.model.generate(ids.to(device), generation_config=config,
-                                        logits_processor=LogitsProcessorList([draw]))  # fmt: skip
+        _GENERATE_LOG.addFilter(_QUIET)  # every row of ids has the prompt's length: no padding to mask
+        try:
+            sequences = self.model.generate(ids.to(device), generation_config=config,
+                                            logits_processor=LogitsProcessorList([draw]))  # fmt: skip
+        finally:
+            _GENERATE_LOG.removeFilter(_QUIET)
         new = sequences[:, ids.shape[1] :].cpu()
         # A finished row gets pad tokens after its stop token, not its draws: callers cut at the first stop.
         return new, torch.stack(draw.logps, dim=1).cpu()[:, : new.shape[1]]

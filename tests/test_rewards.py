@@ -499,3 +499,42 @@ def test_the_worker_pool_has_one_deadline_per_batch_and_stops_what_the_workers_s
     else:
         os.kill(child, 9)
         pytest.fail(f"the reward worker's child {child} is still running")
+
+
+def test_a_killed_trainer_takes_its_reward_workers_and_what_they_started_down(hygiene_file, tmp_path):
+    """The workers lead sessions of their own, so the trainer's group no longer reaches them: when the trainer is
+    killed (it never closes the pool), each worker ends its own group."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    pid_file = tmp_path / "child.pid"
+    script = tmp_path / "trainer.py"
+    script.write_text(
+        "from grpo_kernels.train.data.rewards import Rewards, load_reward_function\n"
+        "from grpo_kernels.train.data.tasks import Example\n"
+        "if __name__ == '__main__':\n"
+        f"    rewards = Rewards([load_reward_function({str(hygiene_file) + ':starts_a_child'!r})], processes=1)\n"
+        f"    rewards.score([Example(prompt='q0', answer={str(pid_file)!r})], ['a'], [[1]], step=0)\n"
+    )  # fmt: skip
+    trainer = subprocess.Popen([sys.executable, str(script)])
+    try:
+        for _ in range(600):  # the worker's start (spawn, imports) and the function's child
+            if pid_file.exists() and pid_file.read_text():
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the reward function never started its child")
+    finally:
+        trainer.kill()
+        trainer.wait()
+    child = int(pid_file.read_text())
+    for _ in range(100):
+        stat = Path(f"/proc/{child}/stat")
+        if not stat.exists() or stat.read_text().split(")")[-1].split()[0] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        os.killpg(os.getpgid(child), signal.SIGKILL)  # the orphaned worker's group: the worker and its child
+        pytest.fail(f"the reward worker's child {child} outlived the killed trainer")

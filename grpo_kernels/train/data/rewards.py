@@ -162,7 +162,7 @@ class Rewards:
         return out
 
     def close(self) -> None:
-        """Stop the worker processes and whatever they started (each worker leads its own process group)."""
+        """Stop the worker processes and whatever they started (each worker leads its own session and group)."""
         if self._pool is not None:
             import os
             import signal
@@ -328,19 +328,25 @@ _CHILD_FUNCTIONS: dict = {}
 
 
 def _start_child(specs: list) -> None:
-    """A worker's start: its own process group (stopping the group stops what a function started too), then the
-    reward functions imported."""
+    """A worker's start: a session of its own (stopping its group stops what a function started too), a watch on
+    the trainer, then the reward functions imported."""
     import os
 
-    os.setsid()  # (a new session, not only a group: a background group that writes to a terminal is stopped)
-    try:  # and it ends with the trainer, which no longer takes it down with its own group (Linux: PR_SET_PDEATHSIG)
-        import ctypes
-        import signal
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+    os.setsid()  # (a session, not only a group: a background group that writes to a terminal is stopped)
+    threading.Thread(target=_end_with_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
     _load_in_child(specs)
+
+
+def _end_with_parent(parent: int) -> None:
+    """In a worker: once the trainer is gone (killed: it never closed the pool), end the worker's whole group, what
+    a hung function started included. The trainer's own group no longer reaches the worker, and a worker holds its
+    task queue's write end, so it would not see the queue close."""
+    import os
+    import signal
+
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os.killpg(0, signal.SIGKILL)
 
 
 def _load_in_child(specs: list) -> None:

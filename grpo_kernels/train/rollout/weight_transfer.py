@@ -16,8 +16,16 @@ server (ranks 1..). Both sides cut the buckets from the same (names, dtypes, sha
 update info. Every tensor starts at a multiple of 16 bytes of its bucket, so the worker's views are aligned.
 Memory on the sender: one bucket plus the one full (gathered) parameter being packed; on other trainer ranks
 only the parameter being gathered.
+
+What listens: the group's rendezvous store on the configured address and port only (a socket bound there and handed
+to torch's TCPStore, which would otherwise listen on every interface whatever host it is given), and each rank's gloo
+pair listener on one address: the trainer's on the configured address, a worker's on its own address that routes to
+it (not the host-name guess or GLOO_SOCKET_IFNAME of torch's default gloo device). vLLM's "nccl" engine binds its
+store to the configured address itself; NCCL's own bootstrap and data sockets take the interface NCCL picks
+(NCCL_SOCKET_IFNAME).
 """
 
+import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -81,14 +89,58 @@ def _itemsize(dtype) -> int:
     return (getattr(torch, dtype) if isinstance(dtype, str) else dtype).itemsize
 
 
-def _gloo_group(address: str, port: int, rank: int, world_size: int, timeout_s: float, *, master: bool):
+def _listen(address: str, port: int) -> socket.socket:
+    """A TCP socket listening on `address` (the first address it resolves to) and `port`, for the rendezvous store:
+    bound before the servers are told to join, so a wrong address is one line naming the option, not their timeout."""
+    option = f"sampling.weight_transfer_address {address!r}"
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+    except (OSError, UnicodeError) as exc:
+        raise ValueError(f"{option} does not resolve to an address ({getattr(exc, 'strerror', None) or exc})") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen()
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"{option}: cannot listen on {sockaddr[0]} port {port} ({exc.strerror or exc}); the "
+                         "address must be one of this host's, the one the servers reach it at") from None  # fmt: skip
+    return sock
+
+
+def _route_address(address: str, port: int) -> str:
+    """This host's address on the route to address:port (a UDP socket's connect sends nothing): where a worker's
+    gloo listener binds, the interface the trainer reaches it through."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(sockaddr)
+        return probe.getsockname()[0]
+
+
+def _gloo_group(address: str, port: int, rank: int, world_size: int, timeout_s: float, *, listen=None):
     """A gloo process group of its own (not torch.distributed's default one, which vLLM's workers and an FSDP
-    trainer already use), rendezvous through a TCPStore that rank 0 hosts."""
+    trainer already use), rendezvous through a TCPStore that rank 0 hosts on `listen` (its socket from `_listen`;
+    None: join the store at address:port). Each rank's gloo device listens on one address (the module docstring)."""
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(address, port, world_size, is_master=master, timeout=timeout, wait_for_workers=False)
-    return dist.ProcessGroupGloo(dist.PrefixStore("grpo-kernels-weights", store), rank, world_size, timeout)
+    if listen is not None:
+        host = listen.getsockname()[0]
+        fd = listen.detach()
+        try:
+            store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                                  master_listen_fd=fd)  # fmt: skip
+        except Exception:
+            socket.close(fd)
+            raise
+    else:
+        store = dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout, wait_for_workers=False)
+        host = _route_address(address, port)
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    options._timeout = timeout
+    return dist.ProcessGroupGloo(dist.PrefixStore("grpo-kernels-weights", store), rank, world_size, options)
 
 
 def _broadcast(group, buffer: torch.Tensor) -> None:
@@ -150,7 +202,7 @@ if WeightTransferEngine is not None:
             p = self.parallel_config
             rank = init_info.rank_offset + p.data_parallel_index * p.world_size + p.rank
             self.group = _gloo_group(init_info.master_address, init_info.master_port, rank, init_info.world_size,
-                                     init_info.timeout_s, master=False)  # fmt: skip
+                                     init_info.timeout_s)  # fmt: skip
 
         def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -215,11 +267,12 @@ if WeightTransferEngine is not None:
             worker = GlooInitInfo(master_address=init_info.master_address, master_port=init_info.master_port,
                                   rank_offset=init_info.rank_offset, world_size=init_info.world_size,
                                   timeout_s=init_info.timeout_s)  # fmt: skip
+            listen = _listen(init_info.master_address, init_info.master_port)  # before the workers look for it
             # The workers block in the rendezvous inside init_weight_transfer_engine: run it beside ours.
             with ThreadPoolExecutor(max_workers=1) as pool:
                 future = pool.submit(client.init_weight_transfer_engine, asdict(worker))
                 engine.group = _gloo_group(init_info.master_address, init_info.master_port, 0, init_info.world_size,
-                                           init_info.timeout_s, master=True)  # fmt: skip
+                                           init_info.timeout_s, listen=listen)  # fmt: skip
                 future.result()
             return engine
 

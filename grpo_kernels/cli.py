@@ -89,7 +89,11 @@ def _parser() -> argparse.ArgumentParser:
     sr.add_argument("model", nargs="?", help="an HF model directory; or give --config")
     sr.add_argument("--config", help="the training config: its model is written to --model-dir and served")
     sr.add_argument("--model-dir", default="rollout-model", help="where --config's model is written")
-    sr.add_argument("--host", default="0.0.0.0")
+    sr.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this machine "
+                    "only); any other needs a key")  # fmt: skip
+    sr.add_argument("--api-key-file", metavar="PATH", help="a file holding the key every request must send "
+                    "(Authorization: Bearer KEY; the trainer: sampling.server_api_key_env); or set the environment "
+                    "variable GRPO_KERNELS_API_KEY. Never on the command line, which other users see")  # fmt: skip
     sr.add_argument("--port", type=int, default=8000)
     sr.add_argument("--tensor-parallel-size", type=int, default=1)
     sr.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -203,13 +207,19 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def serve_rollout(args: argparse.Namespace) -> None:
-    """Replace this process with a rollout server (the command the trainer runs for the servers it starts)."""
+    """Replace this process with a rollout server (the command the trainer runs for the servers it starts). It
+    listens on 127.0.0.1 unless --host says otherwise; a key (--api-key-file or GRPO_KERNELS_API_KEY, in the
+    server's environment) guards every route (grpo_kernels.train.rollout.auth), and a non-loopback host without one
+    is refused. The user's VLLM_API_KEY is passed on (vLLM's own check of /v1 and /inference)."""
     import os
 
+    from .train.rollout.auth import KEY_ENV, serve_key
     from .train.rollout.server import RolloutServer
 
     if (args.model is None) == (args.config is None):
         raise ValueError("give a model directory or --config (not both)")
+    key = serve_key(args.api_key_file, args.host, warn=lambda m: print(f"grpo-kernels serve-rollout: {m}",
+                                                                      file=sys.stderr))  # fmt: skip
     if not args.print_command:  # before anything is written: a port in use was a traceback from inside vLLM
         from .train.preflight import check_port_free
 
@@ -231,10 +241,15 @@ def serve_rollout(args: argparse.Namespace) -> None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     server = RolloutServer(model_dir, host=args.host, port=args.port, tensor_parallel_size=args.tensor_parallel_size,
                            dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization, backend=backend,
-                           max_model_len=max_model_len)  # fmt: skip
+                           max_model_len=max_model_len, api_key=key, inherit_vllm_api_key=True)  # fmt: skip
     command = server.command()
     if args.print_command:
-        print("VLLM_SERVER_DEV_MODE=1 " + shlex.join(command))
+        source = ""  # where the key comes from, never the key
+        if args.api_key_file:
+            source = f'{KEY_ENV}="$(cat {shlex.quote(args.api_key_file)})" '
+        elif key:
+            source = f"{KEY_ENV}=${KEY_ENV} "
+        print(f"{source}VLLM_SERVER_DEV_MODE=1 " + shlex.join(command))
         return
     os.execvpe(command[0], command, server.environment())
 

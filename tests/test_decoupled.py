@@ -29,7 +29,10 @@ def _require_vllm():
 
 
 def _env():
-    return {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    """The runs' environment: this process's without torchrun's variables, and with a stray VLLM_API_KEY (a key
+    for some other server): the servers a trainer starts must not take it, or it refuses their every generate."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    return {**env, "VLLM_API_KEY": "stray-key-of-another-server"}
 
 
 def _command(run, args, ranks=1):
@@ -78,14 +81,15 @@ def _wait_for_line(proc, text, timeout):
     raise AssertionError(f"no {text!r} in the output: {''.join(seen)[-3000:]}")
 
 
-def _serve_by_hand(config, model_dir):
-    """`grpo-kernels serve-rollout --config` on a free port, answering its health route; (process, url)."""
+def _serve_by_hand(config, model_dir, *, extra=(), env=None):
+    """`grpo-kernels serve-rollout --config` on a free port, answering its health route; (process, url). extra:
+    more serve-rollout options; env: more environment variables."""
     from grpo_kernels.train.rollout.server import RolloutServerError, ServerClient, free_port
 
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "grpo_kernels.cli", "serve-rollout", "--config", str(config),
-                               "--model-dir", str(model_dir), "--host", "127.0.0.1", "--port", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=_env(),
+                               "--model-dir", str(model_dir), "--host", "127.0.0.1", "--port", str(port), *extra],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env={**_env(), **(env or {})},
                               start_new_session=True)  # fmt: skip
     client, deadline = ServerClient(f"http://127.0.0.1:{port}", timeout_s=5), time.monotonic() + 300
     while True:

@@ -87,9 +87,12 @@ def hosts():
         made.close()
 
 
+KEY = "multihost-test-key"  # the server's (GRPO_KERNELS_API_KEY: a non-loopback --host needs one) and the trainers'
+
+
 def _env():
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")}
-    return {**env, "GLOO_SOCKET_IFNAME": "eth0", "NO_PROXY": "*", "no_proxy": "*"}
+    return {**env, "GLOO_SOCKET_IFNAME": "eth0", "NO_PROXY": "*", "no_proxy": "*", "GRPO_KERNELS_API_KEY": KEY}
 
 
 def test_decoupled_run_across_three_network_namespaces(hosts, tmp_path):
@@ -129,6 +132,7 @@ def test_decoupled_run_across_three_network_namespaces(hosts, tmp_path):
                       f"--logging.run_dir={run}", "--optim.steps=3", "--optim.lr=1e-3", "--sampling.group_size=4",
                       "--sampling.prompts_per_step=4", "--task.num_eval_prompts=8", "--sampling.sampler=vllm",
                       "--sampling.placement=decoupled", f"--sampling.server_urls=http://{SERVER}:{PORT}",
+                      "--sampling.server_api_key_env=GRPO_KERNELS_API_KEY",
                       f"--sampling.weight_transfer_address={NODE0}", "--sampling.max_new_tokens=4",
                       "--packing.token_budget=256"]  # fmt: skip
             trainers.append(subprocess.Popen(hosts.command(name, *launch), stdout=subprocess.PIPE,

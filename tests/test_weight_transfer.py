@@ -253,6 +253,37 @@ def test_decoupled_start_up_that_cannot_work_is_refused_before_the_run(overrides
     assert ok.sampling.urls() == ["http://127.0.0.1:8000", "https://h.example:1"]
 
 
+@pytest.mark.parametrize("urls,item", [
+    ("http://user:s3cret-key@h:1", 0), ("http://h:1,https://:s3cret-key@h:2/", 1), ("http://s3cret-key@h:99999", 0),
+    ("user:s3cret-key@h:1", 0), (",http://u:s3cret-key@h:1", 1),
+])  # fmt: skip
+def test_a_key_in_a_server_url_is_refused_at_load_without_echoing_it(urls, item):
+    """http://user:KEY@host passed the check, then failed; the key was echoed in errors and saved in config.toml."""
+    from grpo_kernels.train.config.io import load_config
+
+    with pytest.raises(ValueError) as info:
+        load_config(None, [*DEC, f"--sampling.server_urls={urls}"])
+    message = str(info.value)
+    assert message.startswith(f"sampling.server_urls: item {item} has a user name or password in it"), message
+    assert "sampling.server_api_key_env" in message and "s3cret" not in message and "\n" not in message
+
+
+def test_the_servers_key_option_holds_a_variable_name_and_only_the_name_is_saved(tmp_path, monkeypatch):
+    from grpo_kernels.train.config.io import load_config, save_config
+
+    with pytest.raises(ValueError, match='sampling.server_api_key_env needs sampling.placement "decoupled"'):
+        load_config(None, ["--sampling.server_api_key_env=ROLLOUT_KEY"])
+    with pytest.raises(ValueError) as info:
+        load_config(None, [*DEC, "--sampling.server_api_key_env=sk-s3cret/key"])
+    assert "must be the NAME of an environment variable" in str(info.value) and "s3cret" not in str(info.value)
+    monkeypatch.setenv("ROLLOUT_KEY", "s3cret-key")
+    config = load_config(None, [*DEC, "--sampling.server_urls=http://h:1", "--sampling.server_api_key_env=ROLLOUT_KEY"])
+    save_config(config, tmp_path / "config.toml")
+    text = (tmp_path / "config.toml").read_text()
+    assert 'server_api_key_env = "ROLLOUT_KEY"' in text and "s3cret" not in text
+    assert load_config(tmp_path / "config.toml").sampling.server_api_key_env == "ROLLOUT_KEY"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="nccl is a valid choice with CUDA")
 def test_nccl_weight_transfer_without_cuda_is_refused_before_the_run():
     from grpo_kernels.train import preflight

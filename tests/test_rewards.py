@@ -187,8 +187,8 @@ def test_numpy_bools_integers_floats_and_python_bools_are_rewards_as_trl_convert
     # what is not a number is still refused, naming the function and the row
     rewards = Rewards([load_reward_function(f"{trl_file}:numpy_date")], processes=min(processes, 1))
     try:
-        with pytest.raises(RewardError, match=r"reward function 'numpy_date' .* at step 0, row 1 \(prompt 'q1'\) "
-                                              r"returned datetime64 .*2026-12-06.*: a reward is a number or None"):
+        with pytest.raises(RewardError, match=r"reward function 'numpy_date' .* in training step 0, row 1 \(prompt "
+                                              r"'q1'\) returned datetime64 .*2026-12-06.*: a reward is a number"):
             rewards.score(examples[:2], completions[:2], [[1]] * 2, step=0)
     finally:
         rewards.close()
@@ -200,7 +200,7 @@ def test_a_hung_reward_function_is_stopped_at_the_timeout(trl_file, name, proces
     start = time.perf_counter()
     try:
         with pytest.raises(RewardError, match=rf"reward function '{name}' .* did not return within "
-                                              r"task.reward_timeout_s = 0.5 s at step 3"):  # fmt: skip
+                                              r"task.reward_timeout_s = 0.5 s in training step 3"):  # fmt: skip
             rewards.score(_examples(["1"]), ["1"], [[1]], step=3)
     finally:
         rewards.close()
@@ -238,13 +238,13 @@ def a_complex(completions, **kwargs):
 
 
 @pytest.mark.parametrize("name, message", [
-    ("raises", r"reward function 'raises' \(.*\) raised at step 2: KeyError: 'no such column'"),
-    ("too_few", r"'too_few' .* at step 2 returned 1 values for 2 completions"),
-    ("a_string", r"'a_string' .* at step 2, row 1 \(prompt 'q1'\) returned str 'high': a reward is a number or None"),
-    ("infinite", r"'infinite' .* at step 2, row 1 \(prompt 'q1'\) returned inf: a reward is finite"),
-    ("not_a_list", r"'not_a_list' .* at step 2 returned float, not one value per completion \(2\)"),
+    ("raises", r"reward function 'raises' \(.*bad.py:5\) raised KeyError: 'no such column' in training step 2"),
+    ("too_few", r"'too_few' .* in training step 2 returned 1 values for 2 completions"),
+    ("a_string", r"'a_string' .* in training step 2, row 1 \(prompt 'q1'\) returned str 'high': a reward is a number"),
+    ("infinite", r"'infinite' .* in training step 2, row 1 \(prompt 'q1'\) returned inf: a reward is finite"),
+    ("not_a_list", r"'not_a_list' .* in training step 2 returned float, not one value per completion \(2\)"),
     ("a_numpy_string", r"'a_numpy_string' .* row 1 \(prompt 'q1'\) returned str_ .*'high'.*: a reward is a number "),
-    ("a_complex", r"'a_complex' .* at step 2, row 1 \(prompt 'q1'\) returned complex 1j: a reward is a number or "),
+    ("a_complex", r"'a_complex' .* in training step 2, row 1 \(prompt 'q1'\) returned complex 1j: a reward is a "),
 ])  # fmt: skip
 def test_a_reward_function_that_misbehaves_is_named_with_the_step_and_the_row(tmp_path, name, message):
     path = tmp_path / "bad.py"
@@ -260,7 +260,7 @@ def test_a_nan_reward_is_taken_as_none_as_trl_takes_it_with_one_warning(tmp_path
     path.write_text(BAD_FILE)
     function = load_reward_function(f"{path}:nan")
     rewards = Rewards([function, load_reward_function("exact")])
-    with pytest.warns(UserWarning, match=r"'nan' .* at step 2, row 0 \(prompt 'q0'\) returned NaN: taken as None"):
+    with pytest.warns(UserWarning, match=r"'nan' .* in training step 2, row 0 \(prompt 'q0'\) returned NaN: taken as"):
         ours = rewards.score(_examples(["1", "2"]), ["1", "x"], [[1], [2]], step=2)
     theirs = torch.tensor([torch.nan if v is None else v for v in function.func(completions=["1", "x"])])  # TRL's
     torch.testing.assert_close(ours[:, 0].float(), theirs, equal_nan=True)
@@ -468,8 +468,8 @@ def test_a_reward_files_folder_is_on_sys_path_only_while_it_is_imported(hygiene_
 def test_a_timeout_is_an_error_even_when_the_function_swallows_the_interrupt(hygiene_file):
     rewards = Rewards([load_reward_function(f"{hygiene_file}:swallows")], timeout_s=0.5)
     start = time.perf_counter()
-    with pytest.raises(RewardError, match=r"'swallows' .* did not return within task.reward_timeout_s = 0.5 s at "
-                                          r"step 2 \(it caught the interrupt and returned after"):  # fmt: skip
+    with pytest.raises(RewardError, match=r"'swallows' .* did not return within task.reward_timeout_s = 0.5 s in "
+                                          r"training step 2 \(it caught the interrupt and returned after"):  # fmt: skip
         rewards.score(_examples(["1", "2", "3"]), ["1", "2", "3"], [[1]] * 3, step=2)
     assert time.perf_counter() - start < 3  # each swallowed interrupt is followed by another (not 3 x 5 s)
 

@@ -136,7 +136,8 @@ def test_tensorboard_gets_every_metric_of_every_step(tmp_path):
     rows = _short_run(tmp_path / "run", "--task.name=add", "--logging.tensorboard=true")
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     events.Reload()
-    evals = {"eval/success", "eval/success_se", "eval/rewards/numeric/mean"}  # add's reward function: "numeric"
+    evals = {"eval/success", "eval/success_se", "eval/scored", "eval/unscorable",
+             "eval/rewards/numeric/mean"}  # add's reward function: "numeric"
     assert set(events.Tags()["scalars"]) == set(trl_names(rows[0])) | evals
     assert {"train/reward", "train/frac_reward_zero_std", "train/entropy"} <= set(events.Tags()["scalars"])
     assert [(e.step, e.value) for e in events.Scalars("train/reward")] == pytest.approx(

@@ -176,7 +176,7 @@ BAD_OVERRIDES = [
     (["logging.completions_every=-1"], "logging.completions_every must be >= 0"),
     (["packing.shared_prefix=true", "model.attn_implementation=sdpa"], 'packing.shared_prefix needs model.attn_impl'),
     (["packing.shared_prefix=true", "model.attn_implementation=eager"], 'with "eager" the completions of a group'),
-    (["task.chat_template=yes"], "task.chat_template must be one of 'auto', 'on', 'off', got 'yes'"),
+    (["task.chat_template=yes"], "task.chat_template must be one of 'auto', 'on', 'off', 'conversational', got 'yes'"),
     (["task.chat_template=off", "task.system_prompt=Be brief."], 'task.system_prompt must be none when task.chat_'),
     (["group_size.adaptive=true", "group_size.max_group_size=4"], "group_size.max_group_size must be >= sampling"),
     (["model.head_dim=16"], "model.head_dim must be >= 32, got 16"),

@@ -55,6 +55,8 @@ def trl_refusal(config) -> str | None:
                                                                       "(compared: grpo, dapo, bnpo, dr_grpo)"),
         (c.task.chat_template == "off", 'task.chat_template = "off" (TRL adds no <bos> to plain-text prompts, we '
                                         "do: only chat prompts are the same ids in both)"),
+        (c.task.prompt_format(True) == "conversational", "task.chat_template = \"conversational\" (the comparison "
+                                                         "gives both trainers every prompt as a chat)"),
     ]  # fmt: skip
     return next((why for bad, why in checks if bad), None)
 

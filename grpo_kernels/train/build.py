@@ -66,7 +66,8 @@ def make_run_task(config: TrainConfig) -> Task:
     """The task of config.task (a dataset's is read here)."""
     t = config.task
     dataset = dict(source=t.dataset, split=t.split, eval_split=t.eval_split, prompt_column=t.prompt_column,
-                   answer_column=t.answer_column) if t.name == "dataset" else None  # fmt: skip
+                   answer_column=t.answer_column,
+                   download=t.dataset_download) if t.name == "dataset" else None  # fmt: skip
     return make_task(t.name, difficulty=t.difficulty, path=t.path, reward=t.reward, format_weight=t.format_weight,
                      dataset=dataset)  # fmt: skip
 
@@ -115,13 +116,15 @@ def load_model(config: TrainConfig, *, attn_implementation: str | None = None):
 
         path = resolve_model(m.name) or m.name
         model, tok = load_policy(path, dtype="float32", attn_implementation=attn)
-    chat = {"on": True, "off": False, "auto": tok.has_chat_template}[t.chat_template]
-    if chat and not tok.has_chat_template:
+    chat = t.prompt_format(tok.has_chat_template)  # "on", "off" or "conversational" (TRL's rule)
+    if chat == "on" and not tok.has_chat_template:
         raise ValueError(f'task.chat_template is "on" but the tokenizer of {m.name} has no chat template')
-    if t.system_prompt is not None and not chat:
+    if t.system_prompt is not None and chat != "on":
         raise ValueError(f"task.system_prompt needs the chat template, and the tokenizer of {m.name} has none")
-    if chat:
+    if chat == "on":
         tok.set_prompt_format(chat_template=True, system_prompt=t.system_prompt)
+    elif chat == "conversational" and not isinstance(tok, CharTokenizer):  # (the character tokenizer's text: bos +)
+        tok.set_prompt_format(chat_template="conversational")
     return model, tok
 
 

@@ -118,14 +118,18 @@ def _check_base_model(name: str, checkpoint: Path, *, given: bool) -> None:
 
 def _held_out(run_dir: Path, state: dict, n: int) -> dict:
     """The card's numbers for a checkpoint after state["step"] steps: held-out success before RL (the trainer state
-    keeps it) and, when the run evaluated after that step (eval.jsonl), after it."""
+    keeps it) and, when the run evaluated after that step (eval.jsonl), after it; each with its standard error over
+    the answers scored and how many were left out, unscorable (a run from before 2026-12 scored all n)."""
     steps, start = state["step"], state.get("eval_success_start", float("nan"))
+    scored = state.get("eval_scored_start", n)
     out = {"steps": steps, "eval_prompts": n, "eval_success_start": start,
-           "eval_success_se_start": standard_error(start, n)}  # fmt: skip
+           "eval_success_se_start": standard_error(start, scored), "eval_scored_start": scored,
+           "eval_unscorable_start": state.get("eval_unscorable_start", 0)}  # fmt: skip
     evals = run_dir / "eval.jsonl"
     rows = [json.loads(line) for line in evals.read_text().splitlines() if line.strip()] if evals.is_file() else []
     at = [r for r in rows if r.get("step") == steps - 1]
     if at:
-        out.update(eval_success_end=at[-1]["eval_success"], eval_success_se_end=standard_error(at[-1]["eval_success"],
-                                                                                              n))  # fmt: skip
+        end, scored = at[-1]["eval_success"], at[-1].get("eval_scored", n)
+        out.update(eval_success_end=end, eval_success_se_end=standard_error(end, scored), eval_scored_end=scored,
+                   eval_unscorable_end=at[-1].get("eval_unscorable", 0))  # fmt: skip
     return out

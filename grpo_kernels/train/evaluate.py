@@ -6,10 +6,12 @@ functions:
 
 By default with the run's own settings (task and held-out prompts, reward functions, sampler, temperature, top-p,
 max_new_tokens, attention, batch rows, seed), so that a run's model/ scores exactly as the run's final held-out
-evaluation did. Reports success (pass@1: the success function's mean over every answer) and each reward function's
-mean; with --samples K, K answers per prompt and the unbiased pass@k for k = 1, 2, 4, ..., K (Chen et al. 2021:
-1 - C(n - c, k) / C(n, k) per prompt, n answers of which c succeed, averaged over the prompts) and mean@K (the mean
-reward over them). --out writes completions.jsonl (every answer with its scores) and summary.json.
+evaluation did. Reports success (pass@1: the success function's mean over the answers it scored, with how many it
+scored and how many it could not, None: those are left out, as TRL's means leave a None out) and each reward
+function's mean; with --samples K, K answers per prompt and the unbiased pass@k for k = 1, 2, 4, ..., K (Chen et al.
+2021: 1 - C(n - c, k) / C(n, k) per prompt, n scored answers of which c succeed, averaged over the prompts with at
+least k scored answers) and mean@K (the mean reward over them). --out writes completions.jsonl (every answer with its
+scores) and summary.json.
 """
 
 import dataclasses
@@ -66,15 +68,21 @@ def _summary(rollout, inputs, samples: int, model_dir) -> dict:
     rewards, n = inputs.rewards, len(inputs.eval_set)
     result = held_out_result(rollout, rewards)
     per_func = rollout.rewards_per_func.reshape(n, samples, len(rewards.names))
-    success = per_func[:, :, rewards.success]
-    counts = [int((row == 1).sum()) for row in success]  # (an unscorable answer counts as a failure)
+    scored = [row[~row.isnan()] for row in per_func[:, :, rewards.success]]  # (an unscorable answer: left out)
     ks = sorted({k for k in (2**i for i in range(samples.bit_length())) if k <= samples} | {samples})
     summary = {"model": str(model_dir), "prompts": n, "samples": samples, "success": result.success,
-               "success_se": standard_error(result.success, n) if samples == 1 else float("nan"),
-               **{f"pass@{k}": sum(pass_at_k(samples, c, k) for c in counts) / n for k in ks},
+               "success_se": standard_error(result.success, result.scored) if samples == 1 else float("nan"),
+               "scored": result.scored, "unscorable": result.unscorable,
+               **{f"pass@{k}": _mean_pass_at(scored, k) for k in ks},
                f"mean@{samples}": float(rollout.rewards.reshape(n, samples).nanmean(dim=1).nanmean()),
                "means": result.means}  # fmt: skip
     return summary
+
+
+def _mean_pass_at(scored: list, k: int) -> float:
+    """pass@k averaged over the prompts with at least k scored answers (each its success values); NaN if none."""
+    rates = [pass_at_k(len(row), int((row == 1).sum()), k) for row in scored if len(row) >= k]
+    return sum(rates) / len(rates) if rates else float("nan")
 
 
 def _write(out: Path, rollout, inputs, samples: int, summary: dict) -> None:

@@ -34,6 +34,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .config.io import to_dict
 from .config.run import parse_size
+from .data.reward_loading import HELD_OUT, RewardError
 from .group_size import AdaptiveGroupSize
 from .model.export import export_dtype, export_model, model_card
 from .model.fsdp import Dist, init_distributed
@@ -75,7 +76,7 @@ class _HeldOutRecord:
 
     start: HeldOut = dataclasses.field(default_factory=lambda: HeldOut(float("nan"), {}))
     seconds: float = 0.0
-    latest: tuple = (None, None)  # (step, success)
+    latest: tuple = (None, None)  # (step, HeldOut)
 
 
 class _Run:
@@ -149,17 +150,27 @@ class _Run:
             self.parts.scheduler.load_state_dict(state["scheduler"])
             if self.adaptive:
                 self.adaptive.load_state_dict(state["adaptive"])
-            self.held.start = HeldOut(state["eval_success_start"], {})  # (its reward means are not kept)
+            n = len(self.parts.eval_set)  # (a checkpoint from before 2026-12 counted every answer, kept no means)
+            self.held.start = HeldOut(state["eval_success_start"], state.get("eval_means_start", {}),
+                                      state.get("eval_scored_start", n), state.get("eval_unscorable_start", 0))
             self.held.seconds = state.get("eval_s_total", 0.0)
             self.totals.update(state.get("totals", {}))
         self.parts.rollouts.begin(self.parts.policy, version=first, resumed=checkpoint is not None)
         if checkpoint is not None:
             self.log(f"resumed from {checkpoint} at step {first}")
         else:
-            self.held.start = self.parts.rollouts.evaluate()
-            n = len(self.parts.eval_set)
-            self.log(f"held-out success before RL: {with_standard_error(self.held.start.success, n)}")
+            self.held.start = self._evaluate("in the held-out evaluation before training")
+            self.log(f"held-out success before RL: {_shown(self.held.start)}")
         return first, elapsed
+
+    def _evaluate(self, phase: str) -> HeldOut:
+        """A held-out evaluation; a reward function's error in it says which one (phase)."""
+        try:
+            return self.parts.rollouts.evaluate()
+        except RewardError as exc:
+            if exc.phase != HELD_OUT:
+                raise
+            raise exc.in_phase(phase) from exc.__cause__
 
     def _open(self, stack: contextlib.ExitStack, *, first: int, elapsed: float, resumed: bool) -> None:
         """The run's files and trackers, the progress bar, the rollouts' start."""
@@ -167,9 +178,7 @@ class _Run:
                                  resources=stack)  # fmt: skip
         start, n = self.held.start, len(self.parts.eval_set)
         if not resumed and n:
-            self.files.before_training({"eval_success": start.success,
-                                        "eval_success_se": standard_error(start.success, n),
-                                        **_eval_means(start.means)})  # fmt: skip
+            self.files.before_training(_eval_row(start))
         self.bar = _progress(self.config.optim.steps, first, enabled=self.d.is_main)
         if self.bar is not None:
             stack.callback(self.bar.close)
@@ -241,22 +250,23 @@ class _Run:
     def _evaluate_if_due(self, step: int) -> bool:
         """The held-out evaluation every task.eval_every steps and after the last; True when it reached
         task.target_success (training stops)."""
-        t, n = self.config.task, len(self.parts.eval_set)
+        t = self.config.task
         if not t.eval_every or ((step + 1) % t.eval_every and step + 1 != self.config.optim.steps):
             return False
         start = time.perf_counter()
-        result = self.parts.rollouts.evaluate()
+        last = step + 1 == self.config.optim.steps
+        result = self._evaluate("in the final held-out evaluation" if last else
+                                f"in the held-out evaluation after training step {step}")  # fmt: skip
         success, eval_s = result.success, time.perf_counter() - start
         self.held.seconds += eval_s
-        self.files.evaluation({"step": step, "eval_success": success, "eval_success_se": standard_error(success, n),
-                               **_eval_means(result.means), "eval_s": eval_s, "eval_s_total": self.held.seconds,
+        self.files.evaluation({"step": step, **_eval_row(result), "eval_s": eval_s, "eval_s_total": self.held.seconds,
                                **self.totals, "elapsed_s": time.perf_counter() - self.started}, step)  # fmt: skip
-        self._say(f"step {step:4d}  held-out success {with_standard_error(success, n)}")
-        self.held.latest = (step, success)
+        self._say(f"step {step:4d}  held-out success {_shown(result)}")
+        self.held.latest = (step, result)
         reached = t.target_success is not None and success >= t.target_success
         if reached:
-            self._say(f"held-out success {with_standard_error(success, n)} reached task.target_success = "
-                      f"{t.target_success} after step {step}: training stops")
+            self._say(f"held-out success {_shown(result)} reached task.target_success = {t.target_success} after "
+                      f"step {step}: training stops")  # fmt: skip
         return reached
 
     def _checkpoint_if_due(self, step: int, prompt_state: dict, *, last: bool) -> None:
@@ -265,7 +275,9 @@ class _Run:
             return
         state = {"step": step + 1, **prompt_state, "scheduler": self.parts.scheduler.state_dict(),
                  "adaptive": self.adaptive.state_dict() if self.adaptive else None,
-                 "eval_success_start": self.held.start.success, "eval_s_total": self.held.seconds,
+                 "eval_success_start": self.held.start.success, "eval_scored_start": self.held.start.scored,
+                 "eval_unscorable_start": self.held.start.unscorable, "eval_means_start": self.held.start.means,
+                 "eval_s_total": self.held.seconds,
                  "totals": dict(self.totals),
                  "elapsed_s": time.perf_counter() - self.started}  # fmt: skip
         save_checkpoint(self.run_dir, step + 1, policy=self.parts.policy, optimizer=self.parts.optimizer,
@@ -291,12 +303,15 @@ class _Run:
         """The final held-out evaluation (the loop's own when it ran after the last step: the weights have not
         changed since) and summary.json; then every rank waits for the others (train()'s stack closes the rest:
         a vLLM engine's shutdown ends the process group)."""
-        n, d, start = len(self.parts.eval_set), self.d, self.held.start.success
+        n, d, start = len(self.parts.eval_set), self.d, self.held.start
         latest_step, latest = self.held.latest
-        final_eval = latest if latest_step == steps - 1 else self.parts.rollouts.evaluate().success
-        summary = {"eval_success_start": start, "eval_success_end": final_eval, "eval_prompts": n,
-                   "eval_success_se_start": standard_error(start, n),
-                   "eval_success_se_end": standard_error(final_eval, n), "steps": steps,
+        end = latest if latest_step == steps - 1 else self._evaluate("in the final held-out evaluation")
+        summary = {"eval_success_start": start.success, "eval_success_end": end.success, "eval_prompts": n,
+                   "eval_success_se_start": standard_error(start.success, start.scored),
+                   "eval_success_se_end": standard_error(end.success, end.scored),
+                   "eval_scored_start": start.scored, "eval_scored_end": end.scored,
+                   "eval_unscorable_start": start.unscorable, "eval_unscorable_end": end.unscorable,
+                   "eval_rewards_start": start.means, "eval_rewards_end": end.means, "steps": steps,
                    "group_size": self.config.sampling.group_size, "world_size": d.world,
                    "seconds": time.perf_counter() - self.started, "eval_s_total": self.held.seconds, **self.totals,
                    "target_success": self.config.task.target_success, "reached_target": reached_target}  # fmt: skip
@@ -304,8 +319,8 @@ class _Run:
             self.log(f"model: {self._export(summary)}")
         if d.is_main:
             write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=1))
-        self.log(f"held-out success after {steps} steps: {with_standard_error(final_eval, n)} "
-                 f"(was {with_standard_error(start, n)}; ± one binomial standard error)")
+        self.log(f"held-out success after {steps} steps: {_shown(end)} (was {_shown(start)}; ± one binomial "
+                 "standard error)")
         if d.distributed:
             torch.distributed.barrier()
         return summary
@@ -317,9 +332,18 @@ def _command() -> str:
     return shlex.join(["grpo-kernels" if name in ("cli.py", "__main__.py") else name, *sys.argv[1:]])
 
 
-def _eval_means(means: dict) -> dict:
-    """Each reward function's held-out mean under TRL's eval name (eval/rewards/<name>/mean in the trackers)."""
-    return {f"eval_rewards/{name}/mean": value for name, value in means.items()}
+def _eval_row(result: HeldOut) -> dict:
+    """A held-out evaluation's line (eval.jsonl, the trackers): success with its standard error over the answers
+    scored, how many were scored and left out (unscorable), and each reward function's mean under TRL's eval name
+    (eval/rewards/<name>/mean in the trackers)."""
+    return {"eval_success": result.success, "eval_success_se": standard_error(result.success, result.scored),
+            "eval_scored": result.scored, "eval_unscorable": result.unscorable,
+            **{f"eval_rewards/{name}/mean": value for name, value in result.means.items()}}  # fmt: skip
+
+
+def _shown(result: HeldOut) -> str:
+    """A held-out success as the log shows it: ± its standard error, and the unscorable answers left out."""
+    return with_standard_error(result.success, result.scored, unscorable=result.unscorable)
 
 
 def _progress(total: int, done: int, *, enabled: bool):

@@ -46,14 +46,21 @@ class TaskConfig:
     sft_warmup_steps: int = 0
     """Supervised steps on the reference answers before GRPO (0 = none)."""
     chat_template: str = "auto"
-    """Prompts through the tokenizer's chat template: "on", "off" (plain text after a bos) or "auto" (on when the
-    tokenizer has a chat template: HF instruction-tuned models; off for the built-in character tokenizer).
-    Conversational JSONL prompts need it on."""
+    """Prompts through the tokenizer's chat template: "on" (every prompt; a plain-text one as a user message),
+    "off" (plain text after a bos; conversational prompts refused), "conversational" (TRL's rule: a conversational
+    prompt, a list of {"role", "content"} messages, through the template; a plain-text one as the tokenizer encodes
+    text, its own special tokens included) or "auto": "conversational" for task.name = "dataset" (as TRL feeds
+    the same dataset); for the other tasks "on" when the tokenizer has a chat template (HF instruction-tuned
+    models), "off" otherwise (the built-in character tokenizer)."""
     system_prompt: str | None = None
-    """A system message before every prompt (needs the chat template); None = the template's own default."""
+    """A system message before every prompt (needs task.chat_template "on", or "auto" where that means "on");
+    None = the template's own default."""
     dataset: str | None = None
     """task.name = "dataset": a local JSON / JSONL / CSV / Parquet file or folder, or the name of a dataset in the
     local Hugging Face cache (read by `datasets`: pip install 'grpo-kernels[datasets]')."""
+    dataset_download: bool = False
+    """Let a task.dataset name that no local Hugging Face cache holds be fetched from the Hub (and cached there);
+    false = the local caches only, and no request leaves (local files never need the network)."""
     split: str = "train"
     """The dataset's split to train on (a single file is the split "train")."""
     eval_split: str | None = None
@@ -85,10 +92,13 @@ class TaskConfig:
         validate(
             self, at_least={"num_train_prompts": 1, "num_eval_prompts": 0, "sft_warmup_steps": 0, "eval_every": 0},
             choices={"name": TASK_NAMES, "reward": ("exact", "numeric", "math_verify"),
-                     "chat_template": ("auto", "on", "off")},
+                     "chat_template": ("auto", "on", "off", "conversational")},
         )  # fmt: skip
         if self.system_prompt is not None:
             check(self, "system_prompt", self.chat_template != "off", 'none when task.chat_template is "off"')
+            check(self, "system_prompt", self.prompt_format(True) == "on", "none when plain-text prompts go in "
+                  'raw, as with task.chat_template "conversational" (task.name "dataset"\'s "auto"; "on" puts every '
+                  "prompt and the system message through the template)")
         check(self, "difficulty", 1 <= self.difficulty <= 10, "in 1..10")
         if self.format_weight is not None:
             check(self, "format_weight", self.name == "arith", 'none unless task.name is "arith" (the only task '
@@ -112,6 +122,7 @@ class TaskConfig:
                        "names the answers the warm start trains on")  # fmt: skip
         else:
             check(self, "dataset", self.dataset is None, 'none unless task.name is "dataset"')
+            check(self, "dataset_download", not self.dataset_download, 'false unless task.name is "dataset"')
         if self.name == "jsonl":
             check(self, "path", self.path not in (None, ""), 'a JSONL file path when task.name is "jsonl"')
         elif self.name != "dataset":
@@ -126,6 +137,17 @@ class TaskConfig:
             check(self, "reward_funcs", spec.strip() != "", f"a list of specs (entry {i} is empty)")
         if self.reward_timeout_s is not None:
             check(self, "reward_timeout_s", self.reward_timeout_s > 0, "> 0 or none")
+
+    def prompt_format(self, has_chat_template: bool) -> str:
+        """How prompts are encoded, "on", "off" or "conversational" (see chat_template): "auto" resolved for a
+        tokenizer that has a chat template or not. The built-in and JSONL tasks keep the template's wrapping that
+        their results were measured with; a dataset follows TRL's rule, so the same dataset gives the same prompt
+        ids as in trl.GRPOTrainer."""
+        if self.chat_template != "auto":
+            return self.chat_template
+        if self.name == "dataset":
+            return "conversational"
+        return "on" if has_chat_template else "off"
 
 
 def is_file_spec(spec: str) -> bool:

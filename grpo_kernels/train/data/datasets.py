@@ -2,14 +2,22 @@
 or any dataset (task.name = "dataset"): a local JSON / JSONL / CSV / Parquet file or folder, or a dataset in the local
 Hugging Face cache through `datasets.load_dataset` (an extra: the built-in tasks never import it). A prompt is text
 or TRL's conversational form, a list of {"role": "system" | "user" | "assistant", "content": text} messages (rendered
-by the chat template). A dataset's other columns go to the reward functions under their own names.
+by the chat template; a dataset's plain text goes in raw, as TRL feeds it: TaskConfig.prompt_format). A dataset's
+other columns go to the reward functions under their own names.
 
 Every bad row is a ValueError naming the file (or split) and the row: no such column, a value of the wrong type, an
 empty text, a NUL or a lone surrogate, a key given twice (JSONL), no rows at all.
+
+No request leaves unless asked: `datasets` and `huggingface_hub` run in their offline mode around every load (local
+files need no network; `datasets` would otherwise send a download-count request even for a local CSV), and a dataset
+name resolves in the local caches only: the one `datasets.load_dataset` fills (what an earlier online load left), then
+huggingface_hub's (what `hf download NAME --repo-type dataset` fetched). `download=True` (task.dataset_download) lets
+a name go to the Hub.
 """
 
 import json
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,10 +72,11 @@ def read_jsonl(path) -> list:
     return out
 
 
-def load_rows(source: str, split: str) -> list:
+def load_rows(source: str, split: str, *, download: bool = False) -> list:
     """[(where, row)] of one split of a dataset: a local JSONL file (read here, its errors naming the line), a JSON,
-    CSV or Parquet file or a folder of them (the file is the "train" split), or a dataset in the local Hugging Face
-    cache, through `datasets.load_dataset`. ValueError for a missing path, an unknown format or split."""
+    CSV or Parquet file or a folder of them (the file is the "train" split), or a dataset by name, through
+    `datasets.load_dataset`: from the local caches only unless `download` (the module docstring). ValueError for a
+    missing path, an unknown format or split, a name no cache holds (with how to fetch it)."""
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".jsonl":
         _only_train(split, source)
@@ -90,8 +99,10 @@ def load_rows(source: str, split: str) -> list:
         if not path.exists():
             raise ValueError(f"task.dataset {source}: no such file or folder")
         loaded = _load(datasets, source, split, str(path), split=split)
-    else:  # a dataset name: only what the local cache holds (no download is attempted)
-        loaded = _load(datasets, source, split, source, split=split)
+    elif download:
+        loaded = _load(datasets, source, split, source, split=split, offline=False)
+    else:
+        loaded = _load_cached(datasets, source, split)
     return [(f"{source} [{split}] row {i}", row) for i, row in enumerate(loaded.to_list())]
 
 
@@ -118,9 +129,55 @@ def _holds_no_rows(path: Path) -> bool:
         return False
 
 
-def _load(datasets, source: str, wanted: str, *args, **kwargs):
+@contextmanager
+def _offline(datasets):
+    """`datasets` and `huggingface_hub` in their offline mode for the block (every request they would make refused
+    before it leaves). Both read HF_HUB_OFFLINE / HF_DATASETS_OFFLINE from the environment once, when imported, and
+    consult these module constants at each request, so setting the environment here would be too late once either
+    is imported (transformers imports huggingface_hub). Process-wide while it lasts: the data is read before the
+    run starts anything else."""
+    import huggingface_hub.constants as hub
+
+    config = datasets.config
+    saved = config.HF_HUB_OFFLINE, config.HF_DATASETS_OFFLINE, hub.HF_HUB_OFFLINE
+    config.HF_HUB_OFFLINE = config.HF_DATASETS_OFFLINE = hub.HF_HUB_OFFLINE = True
     try:
-        return datasets.load_dataset(*args, **kwargs)
+        yield
+    finally:
+        config.HF_HUB_OFFLINE, config.HF_DATASETS_OFFLINE, hub.HF_HUB_OFFLINE = saved
+
+
+def _load_cached(datasets, source: str, split: str):
+    """A dataset name from the local caches (the module docstring), offline; ValueError saying how to fetch it when
+    neither holds it."""
+    try:
+        return _load(datasets, source, split, source, split=split, missing=(ConnectionError, FileNotFoundError))
+    except (ConnectionError, FileNotFoundError):
+        pass
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        with _offline(datasets):
+            folder = snapshot_download(source, repo_type="dataset", local_files_only=True)
+    except (LocalEntryNotFoundError, ValueError, OSError):
+        raise ValueError(f"task.dataset {source}: not a local file or folder, and no local Hugging Face cache holds "
+                         f"a dataset of that name (no download was tried); fetch it with `hf download {source} "
+                         "--repo-type dataset`, or set task.dataset_download = true to let the run fetch "
+                         "it") from None  # fmt: skip
+    return _load(datasets, source, split, folder, split=split)
+
+
+def _load(datasets, source: str, wanted: str, *args, offline: bool = True, missing: tuple = (), **kwargs):
+    """datasets.load_dataset(*args, **kwargs), offline unless said otherwise; its errors as one ValueError naming
+    task.dataset, except those of the types in `missing` (re-raised as they are)."""
+    try:
+        if not offline:
+            return datasets.load_dataset(*args, **kwargs)
+        with _offline(datasets):
+            return datasets.load_dataset(*args, **kwargs)
+    except missing:
+        raise
     except ValueError as exc:
         if "corresponds to no data" in str(exc):  # a CSV of a header alone
             raise ValueError(f"task.dataset {source}: no examples (no rows in split {wanted!r})") from exc
@@ -128,8 +185,9 @@ def _load(datasets, source: str, wanted: str, *args, **kwargs):
             raise ValueError(f"task.dataset {source}: no split {wanted!r} ({exc})") from exc
         raise ValueError(f"task.dataset {source}: {exc}") from exc
     except (FileNotFoundError, ConnectionError, OSError) as exc:
-        raise ValueError(f"task.dataset {source}: not a local file or folder, and not in the local Hugging Face "
-                         f"cache ({type(exc).__name__}: {exc})") from exc  # fmt: skip
+        where = "not in the local Hugging Face cache" if offline else "the Hugging Face Hub has no dataset of that name"
+        raise ValueError(f"task.dataset {source}: not a local file or folder, and {where} ({type(exc).__name__}: "
+                         f"{exc})") from exc  # fmt: skip
 
 
 def examples_from_rows(rows: list, *, prompt_column: str = "prompt", answer_column: str | None = None,

@@ -33,8 +33,9 @@ decoupled sampler's) cannot be, and the trainer says so when the run starts.
 
 A NaN is taken as None, as TRL takes it (its tensor of the values keeps the NaN and its nansum skips it), with a
 warning the first time each function returns one. Anything else a function does wrong is a `RewardError` naming the
-function, the step and the row: it raises, it returns the wrong number of values, a value that is not a number, or an
-infinity.
+function, when ("in training step 3", or which held-out evaluation: the trainer says) and the row: it returns the
+wrong number of values, a value that is not a number, or an infinity; or it raises: then the user's file and line
+and the user's part of the traceback, from a worker process too (grpo_kernels.train.data.reward_loading).
 """
 
 import asyncio
@@ -49,7 +50,7 @@ import numpy as np
 import torch
 
 from ..config.task import resolve_spec
-from .reward_loading import RewardError, RewardFunction, load_reward_function
+from .reward_loading import HELD_OUT, RewardError, RewardFunction, load_reward_function, raised_error, user_frames
 from .rewards_builtin import BUILTIN, completion_text
 
 __all__ = ["BUILTIN", "RewardError", "RewardFunction", "Rewards", "load_reward_function", "resolve_spec"]
@@ -116,16 +117,17 @@ class Rewards:
         out = torch.full((n, len(self.functions)), float("nan"), dtype=torch.float64)
         if n == 0:
             return out
+        phase = f"in training step {step}" if record else HELD_OUT  # (what an error says)
         waiting = []
         for k, f in enumerate(self.functions):
             if f.is_async:
                 waiting.append(k)
             else:
-                out[:, k] = self._checked(f, self._call(f, kwargs, step), n, step, kwargs)
+                out[:, k] = self._checked(f, self._call(f, kwargs, phase), n, phase, kwargs)
         if waiting:
-            results = _run_async([self._call_async(self.functions[k], kwargs, step) for k in waiting])
+            results = _run_async([self._call_async(self.functions[k], kwargs, phase) for k in waiting])
             for k, values in zip(waiting, results, strict=True):
-                out[:, k] = self._checked(self.functions[k], values, n, step, kwargs)
+                out[:, k] = self._checked(self.functions[k], values, n, phase, kwargs)
         return out
 
     def combine(self, per_func: torch.Tensor) -> torch.Tensor:
@@ -182,34 +184,32 @@ class Rewards:
     def _log_metric(self, name: str, value) -> None:
         self.logged.setdefault(str(name), []).append(float(value))
 
-    def _call(self, f: RewardFunction, kwargs: dict, step: int):
+    def _call(self, f: RewardFunction, kwargs: dict, phase: str):
         if self.processes:
-            return self._call_in_processes(f, kwargs, step)
-        with _Deadline(self.timeout_s, f, step):
+            return self._call_in_processes(f, kwargs, phase)
+        with _Deadline(self.timeout_s, f, phase):
             try:
                 if f.verl:
                     return [_verl_score(f, kwargs, i, self.task_name) for i in range(len(kwargs["completions"]))]
                 return f.func(**kwargs)
             except RewardError:
                 raise
-            except Exception as exc:  # noqa: BLE001  the user's function: its error, named
-                raise RewardError(f"reward function {f.name!r} ({f.spec}) raised at step {step}: "
-                                  f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
+            except Exception as exc:  # noqa: BLE001  the user's function: its error, with the user's file and line
+                raise raised_error(f, type(exc).__name__, str(exc), user_frames(exc), phase) from exc
 
-    async def _call_async(self, f: RewardFunction, kwargs: dict, step: int):
+    async def _call_async(self, f: RewardFunction, kwargs: dict, phase: str):
         try:
             call = f.func(**kwargs)
             return await (asyncio.wait_for(call, self.timeout_s) if self.timeout_s else call)
         except TimeoutError:
             raise RewardError(f"reward function {f.name!r} ({f.spec}) did not return within task.reward_timeout_s "
-                              f"= {self.timeout_s} s at step {step}") from None  # fmt: skip
+                              f"= {self.timeout_s} s", phase=phase) from None  # fmt: skip
         except RewardError:
             raise
         except Exception as exc:  # noqa: BLE001
-            raise RewardError(f"reward function {f.name!r} ({f.spec}) raised at step {step}: "
-                              f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
+            raise raised_error(f, type(exc).__name__, str(exc), user_frames(exc), phase) from exc
 
-    def _call_in_processes(self, f: RewardFunction, kwargs: dict, step: int):
+    def _call_in_processes(self, f: RewardFunction, kwargs: dict, phase: str):
         import multiprocessing
 
         if self._pool is None:  # started (the workers import the functions) before any call's timeout runs
@@ -233,10 +233,10 @@ class Rewards:
             except multiprocessing.TimeoutError:
                 self.close()
                 raise RewardError(f"reward function {f.name!r} ({f.spec}) did not return within "
-                                  f"task.reward_timeout_s = {self.timeout_s} s at step {step} (its worker processes "
-                                  "were stopped)") from None  # fmt: skip
-            if error is not None:
-                raise RewardError(f"reward function {f.name!r} ({f.spec}) raised at step {step}: {error}")
+                                  f"task.reward_timeout_s = {self.timeout_s} s", phase=phase,
+                                  rest=" (its worker processes were stopped)") from None  # fmt: skip
+            if error is not None:  # (the exception's type, its text, the user's frames: as the trainer's own call's)
+                raise raised_error(f, *error, phase)
             for name, items in logged.items():
                 for value in items:
                     kwargs["log_metric"](name, value)
@@ -245,34 +245,38 @@ class Rewards:
             values.extend(part)
         return values
 
-    def _checked(self, f: RewardFunction, values, n: int, step: int, kwargs: dict) -> torch.Tensor:
-        """The function's values as [n] float64 (None -> NaN); RewardError naming the function, step and row."""
-        where = f"reward function {f.name!r} ({f.spec}) at step {step}"
+    def _checked(self, f: RewardFunction, values, n: int, phase: str, kwargs: dict) -> torch.Tensor:
+        """The function's values as [n] float64 (None -> NaN); RewardError naming the function, phase and row."""
+        name = f"reward function {f.name!r} ({f.spec})"
         if isinstance(values, torch.Tensor | np.ndarray):
             values = values.tolist()
         if isinstance(values, str | bytes) or not hasattr(values, "__len__"):
-            raise RewardError(f"{where} returned {type(values).__name__}, not one value per completion ({n})")
+            raise RewardError(name, phase=phase, rest=f" returned {type(values).__name__}, not one value per "
+                              f"completion ({n})")  # fmt: skip
         if len(values) != n:
-            raise RewardError(f"{where} returned {len(values)} values for {n} completions (one per completion)")
+            raise RewardError(name, phase=phase, rest=f" returned {len(values)} values for {n} completions (one "
+                              "per completion)")  # fmt: skip
         out = []
         for i, v in enumerate(values):
-            row = f"{where}, row {i} (prompt {_short(kwargs['prompts'][i])})"
+            row = f", row {i} (prompt {_short(kwargs['prompts'][i])})"
             if v is None:
                 out.append(float("nan"))
                 continue
             number = _number(v)
             if number is None:
-                raise RewardError(f"{row} returned {type(v).__name__} {_short(v)}: a reward is a number or None")
+                raise RewardError(name, phase=phase, rest=f"{row} returned {type(v).__name__} {_short(v)}: a reward "
+                                  "is a number or None")  # fmt: skip
             v = number
             if math.isnan(v):  # TRL's tensor of the values keeps a NaN, and its nansum skips it: as None
                 if f.name not in self._warned_nan:
                     self._warned_nan.add(f.name)
-                    warnings.warn(f"{row} returned NaN: taken as None (the function does not apply), as TRL takes "
-                                  "it; return None to say so (warned once per function)", stacklevel=2)  # fmt: skip
+                    warnings.warn(f"{name} {phase}{row} returned NaN: taken as None (the function does not apply), "
+                                  "as TRL takes it; return None to say so (warned once per function)",
+                                  stacklevel=2)  # fmt: skip
                 out.append(float("nan"))
                 continue
             if math.isinf(v):
-                raise RewardError(f"{row} returned {v}: a reward is finite")
+                raise RewardError(name, phase=phase, rest=f"{row} returned {v}: a reward is finite")
             out.append(v)
         return torch.tensor(out, dtype=torch.float64)
 
@@ -360,7 +364,8 @@ def _load_in_child(specs: list) -> None:
 
 
 def _call_in_child(spec: str, kwargs: dict, state: dict, task_name: str):
-    """In a worker process: (values, log_metric's values, None) or (None, {}, the error's text)."""
+    """In a worker process: (values, log_metric's values, None) or (None, {}, the error: (its type's name, its
+    text, the user's frames))."""
     logged: dict = {}
     try:
         if spec not in _CHILD_FUNCTIONS:
@@ -373,8 +378,8 @@ def _call_in_child(spec: str, kwargs: dict, state: dict, task_name: str):
         if f.is_async:
             return asyncio.run(f.func(**kwargs, log_metric=log_metric)), logged, None
         return f.func(**kwargs, log_metric=log_metric), logged, None
-    except Exception as exc:  # noqa: BLE001  sent back as text: the parent raises the RewardError
-        return None, {}, f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # noqa: BLE001  sent back as plain data: the parent raises the RewardError
+        return None, {}, (type(exc).__name__, str(exc), user_frames(exc))
 
 
 class _Deadline:
@@ -387,8 +392,8 @@ class _Deadline:
 
     REPEAT_S = 0.2
 
-    def __init__(self, timeout_s, f: RewardFunction, step: int):
-        self.timeout_s, self.f, self.step = timeout_s, f, step
+    def __init__(self, timeout_s, f: RewardFunction, phase: str):
+        self.timeout_s, self.f, self.phase = timeout_s, f, phase
         self.active = bool(timeout_s) and threading.current_thread() is threading.main_thread()
         self.fired = threading.Event()
         self.timer = None
@@ -430,7 +435,8 @@ class _Deadline:
                 how = "interrupted" if kind is KeyboardInterrupt else (
                     f"it caught the interrupt and {'returned' if kind is None else 'raised'} after {took:.1f} s")
                 raise RewardError(f"reward function {self.f.name!r} ({self.f.spec}) did not return within task."
-                                  f"reward_timeout_s = {self.timeout_s} s at step {self.step} ({how})") from None
+                                  f"reward_timeout_s = {self.timeout_s} s", phase=self.phase,
+                                  rest=f" ({how})") from None  # fmt: skip
             return False
         finally:
             if self.restore is not None:

@@ -240,9 +240,11 @@ class DatasetTask(RowsTask):
     name = "dataset"
 
     def __init__(self, source: str, *, split: str = "train", eval_split: str | None = None,
-                 prompt_column: str = "prompt", answer_column: str | None = None, reward: str = "exact"):  # fmt: skip
-        read = lambda name: examples_from_rows(load_rows(source, name), prompt_column=prompt_column,  # noqa: E731
-                                               answer_column=answer_column, source=f"{source} [{name}]")  # fmt: skip
+                 prompt_column: str = "prompt", answer_column: str | None = None, reward: str = "exact",
+                 download: bool = False):  # fmt: skip
+        read = lambda name: examples_from_rows(load_rows(source, name, download=download),  # noqa: E731
+                                               prompt_column=prompt_column, answer_column=answer_column,
+                                               source=f"{source} [{name}]")  # fmt: skip
         super().__init__(read(split), read(eval_split) if eval_split is not None else None)
         self.source, self.REWARDS = source, (reward,)
 

@@ -179,7 +179,10 @@ def model_card(config: TrainConfig, summary: dict, *, rewards, tok, command: str
     elif t.name == "jsonl":
         task += f", file `{t.path}`"
     functions = ", ".join(f"`{n}` x {w:g}" for n, w in zip(rewards.names, rewards.weights, strict=True))
-    if not getattr(tok, "chat_template", False):
+    if getattr(tok, "chat_template", False) == "conversational":
+        prompts = ("as trl.GRPOTrainer feeds them: a conversational one through the tokenizer's chat template, plain "
+                   "text as the tokenizer encodes text (no template)")  # fmt: skip
+    elif not getattr(tok, "chat_template", False):
         prompts = "plain text after the bos token (no chat template)"
     elif t.system_prompt is not None:
         prompts = ("the tokenizer's chat template, with the system prompt " + json.dumps(t.system_prompt) + " (the "
@@ -188,9 +191,12 @@ def model_card(config: TrainConfig, summary: dict, *, rewards, tok, command: str
         prompts = "the tokenizer's chat template"
     n = summary.get("eval_prompts", 0)
 
-    def rate(key):
+    def rate(key):  # over the answers scored: those the success function returned None for are left out, counted
         value, se = summary.get(f"eval_success{key}"), summary.get(f"eval_success_se{key}")
-        return "n/a" if value is None or value != value else f"{value:.3f} ± {se:.3f}"
+        scored, left = summary.get(f"eval_scored{key}"), summary.get(f"eval_unscorable{key}", 0)
+        if value is None or value != value:
+            return f"n/a (none of the {left} answers could be scored)" if left and not scored else "n/a"
+        return f"{value:.3f} ± {se:.3f}" + (f" ({left} unscorable answers left out, {scored} scored)" if left else "")
 
     base_tag = "" if m.name == "tiny" or "/" in m.name or Path(m.name).exists() else f"base_model: {m.name}\n"
     return (f"---\nlibrary_name: transformers\n{base_tag}tags:\n- grpo\n- grpo-kernels\n---\n\n"

@@ -16,7 +16,8 @@ Design:
   with `chat_template=True` (the trainer's default for a tokenizer that has one) a prompt, plain text or a list of
   {"role", "content"} messages (TRL's conversational form), becomes the tokenizer's own
   `apply_chat_template(messages, add_generation_prompt=True)` ids, after an optional system message; without it, a
-  plain-text prompt is encoded as is after a bos.
+  plain-text prompt is encoded as is after a bos; with `chat_template="conversational"` (a dataset's default: TRL's
+  rule) only a list of messages goes through the template, plain text as `tokenizer(text)` encodes it.
 - Completions end at any of `stop_ids`: the tokenizer's eos and every eos id the model's generation config names
   (instruction-tuned models often end a turn with a token that is not the tokenizer's eos).
 - `write_tiny_checkpoint` saves `tasks.tiny_model` with a `tokenizers` tokenizer that gives CharTokenizer's ids, so
@@ -74,9 +75,15 @@ class HFTokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def set_prompt_format(self, *, chat_template: bool, system_prompt: str | None = None) -> None:
-        """Use the chat template for prompts (ValueError when the tokenizer has none), with an optional system
-        message; a system prompt needs the chat template."""
+    def set_prompt_format(self, *, chat_template: bool | str, system_prompt: str | None = None) -> None:
+        """Use the chat template for prompts (True; ValueError when the tokenizer has none), with an optional system
+        message; a system prompt needs the chat template. chat_template="conversational": TRL's rule, the template
+        for conversational prompts only (`encode_prompt`)."""
+        if chat_template == "conversational":
+            if system_prompt is not None:
+                raise ValueError("a system prompt needs every prompt through the chat template")
+            self.chat_template, self.system_prompt = "conversational", None
+            return
         if chat_template and not self.has_chat_template:
             raise ValueError(f"the tokenizer of {self.tokenizer.name_or_path} has no chat template")
         if system_prompt is not None and not chat_template:
@@ -101,7 +108,17 @@ class HFTokenizer:
 
         With the chat template: [system message] + (the messages, or one user message holding the text), rendered
         with add_generation_prompt=True, exactly the ids of the tokenizer's `apply_chat_template`. Without it: bos +
-        the text."""
+        the text. "conversational" (TRL's rule): a list of messages as with the template, plain text as the
+        tokenizer encodes text (`tokenizer(text)`: its own special tokens, a bos only where it adds one), the ids
+        trl.GRPOTrainer feeds."""
+        if self.chat_template == "conversational" and isinstance(prompt, str):
+            try:
+                return [int(i) for i in self.tokenizer(prompt)["input_ids"]]
+            except Exception as exc:  # (as `encode`'s)
+                raise ValueError(f"the tokenizer cannot encode {prompt[:40]!r}: {_first_line(exc)}") from exc
+        if self.chat_template == "conversational" and not self.has_chat_template:
+            raise ValueError("a conversational prompt (a list of messages) needs a chat template; the tokenizer of "
+                             f"{self.tokenizer.name_or_path} has none")  # fmt: skip
         if not self.chat_template:
             if not isinstance(prompt, str):
                 raise ValueError("a conversational prompt (a list of messages) needs the chat template; the tokenizer "

@@ -1,6 +1,6 @@
 """The step's scored samples: the sampling seeds, G samples of every prompt spread over the ranks and scored by
 the run's reward functions (a `Rewards`), dynamic sampling's extra rounds, and the held-out evaluation (one
-answer per prompt: the success function's mean, and every function's)."""
+answer per prompt: the success function's mean over the answers it scored, and every function's)."""
 
 import math
 import warnings
@@ -71,11 +71,15 @@ def collect(config: TrainConfig, sampler, tok, rewards, next_prompts, step: int,
 
 
 class HeldOut(NamedTuple):
-    """A held-out evaluation: success (the success function's mean: NaN where it is not 0/1) and every reward
-    function's mean over the prompts it applied to."""
+    """A held-out evaluation: success (the success function's mean over the answers it scored: NaN where it is not
+    0/1 or scored none), every reward function's mean over the answers it applied to, how many answers the success
+    function scored (success's n, that of its standard error) and how many it returned None for (unscorable: left
+    out of success, as TRL's mean of a function leaves its None values out)."""
 
     success: float
     means: dict
+    scored: int = 0
+    unscorable: int = 0
 
 
 def held_out(sampler, tok, rewards, examples, *, seed: int, d: Dist = SINGLE, step: int = 0) -> HeldOut:
@@ -94,19 +98,27 @@ def held_out_rollout(sampler, tok, rewards, examples, *, seed: int, d: Dist = SI
 
 
 def held_out_result(rollout: Rollout, rewards) -> HeldOut:
-    """Success (the success function's mean over every sampled answer, an unscorable one counted as a failure; NaN
-    where it is not 0/1) and each function's mean over the answers it scored."""
+    """Success (the success function's mean over the answers it scored; an unscorable one, None, is left out and
+    counted; NaN where it is not 0/1, or where no answer could be scored, with a warning that says so) and each
+    function's mean over the answers it scored."""
     names = rewards.names
     per_func = rollout.rewards_per_func.reshape(-1, len(names))
     means = {name: float(per_func[:, k].nanmean()) for k, name in enumerate(names)}
     values = per_func[:, rewards.success]
     scored = values[~values.isnan()]
+    result = HeldOut(float("nan"), means, len(scored), len(values) - len(scored))
+    if not len(scored):
+        if len(values):
+            warnings.warn(f"held-out success: the success function {names[rewards.success]!r} returned None for "
+                          f"every one of the {len(values)} answers: none could be scored, success is n/a",
+                          stacklevel=3)  # fmt: skip
+        return result
     if not bool(((scored == 0) | (scored == 1)).all()):
         warnings.warn(f"held-out success: the success function {names[rewards.success]!r} returned values "
                       "other than 0 and 1; success is reported as NaN (name a 0/1 function in task.success_reward)",
                       stacklevel=3)  # fmt: skip
-        return HeldOut(float("nan"), means)
-    return HeldOut(float(scored.sum() / len(values)) if len(scored) else float("nan"), means)
+        return result
+    return result._replace(success=float(scored.sum() / len(scored)))
 
 
 def evaluate(sampler, tok, rewards, examples, *, seed: int, d: Dist = SINGLE) -> float:
@@ -119,5 +131,9 @@ def standard_error(rate: float, n: int) -> float:
     return math.sqrt(rate * (1 - rate) / n) if n else float("nan")
 
 
-def with_standard_error(rate: float, n: int) -> str:
-    return f"{rate:.3f} ± {standard_error(rate, n):.3f}" if n else "n/a (no held-out prompts)"
+def with_standard_error(rate: float, n: int, *, unscorable: int = 0) -> str:
+    """"0.500 ± 0.102" of a success rate measured on n answers, and how many unscorable ones were left out."""
+    if not n:
+        return f"n/a (none of the {unscorable} answers could be scored)" if unscorable else "n/a (no held-out prompts)"
+    left_out = f" ({unscorable} unscorable, left out)" if unscorable else ""
+    return f"{rate:.3f} ± {standard_error(rate, n):.3f}{left_out}"

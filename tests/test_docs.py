@@ -18,7 +18,7 @@ def test_site_builds_strict_with_every_page(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     site = tmp_path / "site"
-    for page in ("training", "integrations", "api", "reference", "performance", "testing", "layout"):
+    for page in ("training", "integrations", "api", "reference", "performance", "testing", "layout", "security"):
         assert (site / page / "index.html").is_file(), page
     home = (site / "index.html").read_text()
     assert "group_advantages" in home and "Fused kernels for GRPO" in home  # the README's snippets came in

@@ -244,7 +244,8 @@ _OPENER = urllib.request.build_opener(_NoRedirect)
 
 class ServerClient:
     """JSON over HTTP to one server. timeout_s bounds every call but generation, which may legitimately take long:
-    there the trainer watches /health instead (`ServerSampler.check`). api_key: sent as `Authorization: Bearer` on
+    there the sampler gives each request a deadline from its tokens and watches /health, /is_paused and /is_sleeping
+    (grpo_kernels.train.rollout.server_sampler). api_key: sent as `Authorization: Bearer` on
     every request (grpo_kernels.train.rollout.auth). An answer longer than max_response_bytes is refused."""
 
     def __init__(self, url: str, *, process: RolloutServer | None = None, timeout_s: float = 60.0,

@@ -6,6 +6,7 @@
 #
 # MODEL: a local HF directory (e.g. `huggingface-cli download Qwen/Qwen2.5-1.5B-Instruct --local-dir $MODEL`).
 # DATA: JSONL of {"prompt", "answer"}; `python examples/prepare_gsm8k.py $DATA` writes GSM8K's train split.
+# Install on the node: the commands in examples/train_qwen_gsm8k_h100.toml's header (the README's "Install").
 # Resume after a preemption: torchrun --standalone --nproc_per_node=8 -m grpo_kernels.cli train --resume runs/qwen-gsm8k
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -33,3 +33,26 @@ def test_readme_links_point_at_existing_files():
     assert targets, "the README links no page"
     missing = sorted(t for t in targets if not (ROOT / t).exists())
     assert not missing, missing
+
+
+def _install_block() -> list[str]:
+    """The README's GPU install sequence (between its gpu-install snippet markers), one command a line."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("<!-- --8<-- [start:gpu-install] -->", 1)[1].split("<!-- --8<-- [end:gpu-install] -->", 1)[0]
+    return [line.strip() for line in block.strip().strip("`").strip().splitlines()]
+
+
+def test_the_gpu_examples_install_with_the_readmes_one_sequence():
+    """Every GPU example's install comment is the README's sequence, line for line: vLLM first (it pins its torch),
+    then the build tools, then this package without build isolation (built against that torch). The examples'
+    old `pip install -e . vllm ...` built in an isolated environment against another torch."""
+    readme = _install_block()
+    commands = [line.split("#", 1)[0].split() for line in readme]
+    assert commands[0][:3] == ["pip", "install", "vllm"], readme
+    assert "--no-build-isolation" in commands[-1], readme
+    assert not any("--no-build-isolation" in c for c in commands[:-1]) and not any("vllm" in c for c in commands[1:])
+    for name in ("train_qwen_gsm8k_h100.toml", "long_chains_h100.toml"):
+        lines = [line.lstrip("#").strip() for line in (ROOT / "examples" / name).read_text().splitlines()
+                 if line.startswith("#") and "pip install" in line]  # fmt: skip
+        assert lines == readme, (name, lines)
+    assert '--8<-- "README.md:gpu-install"' in (ROOT / "docs" / "training.md").read_text()

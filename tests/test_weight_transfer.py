@@ -256,7 +256,7 @@ def test_decoupled_start_up_that_cannot_work_is_refused_before_the_run(overrides
 @pytest.mark.parametrize("urls,item", [
     ("http://user:s3cret-key@h:1", 0), ("http://h:1,https://:s3cret-key@h:2/", 1), ("http://s3cret-key@h:99999", 0),
     ("user:s3cret-key@h:1", 0), (",http://u:s3cret-key@h:1", 1),
-])  # fmt: skip
+], ids=["user-and-key", "second-url", "key-bad-port", "no-scheme", "after-empty"])  # fmt: skip
 def test_a_key_in_a_server_url_is_refused_at_load_without_echoing_it(urls, item):
     """http://user:KEY@host passed the check, then failed; the key was echoed in errors and saved in config.toml."""
     from grpo_kernels.train.config.io import load_config

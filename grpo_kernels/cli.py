@@ -87,8 +87,10 @@ def _parser() -> argparse.ArgumentParser:
     sr = sub.add_parser("serve-rollout", help="run a rollout server for sampling.server_urls (a vLLM server with "
                         "the RL routes and the weight-transfer engine); stays in the foreground")  # fmt: skip
     sr.add_argument("model", nargs="?", help="an HF model directory; or give --config")
-    sr.add_argument("--config", help="the training config: its model is written to --model-dir and served")
-    sr.add_argument("--model-dir", default="rollout-model", help="where --config's model is written")
+    sr.add_argument("--config", help="the training config: its model's own directory is served (the trainer sends "
+                    "its weights first), in the config's model.dtype and sampling.vllm_enforce_eager")  # fmt: skip
+    sr.add_argument("--model-dir", default="rollout-model", help="where --config's model is written when it has no "
+                    "directory of its own (the built-in tiny model)")  # fmt: skip
     sr.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this machine "
                     "only); any other needs a key")  # fmt: skip
     sr.add_argument("--api-key-file", metavar="PATH", help="a file holding the key every request must send "
@@ -99,6 +101,8 @@ def _parser() -> argparse.ArgumentParser:
     sr.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     sr.add_argument("--weight-transfer", default="auto", choices=["auto", "gloo", "nccl"])
     sr.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    sr.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None, help="without CUDA graphs "
+                    "(default: --config's sampling.vllm_enforce_eager, else eager on CPU only)")  # fmt: skip
     sr.add_argument("--print-command", action="store_true", help="print the server's command and exit")
     ex = sub.add_parser("export", help="a run's checkpoint as a Hugging Face directory (transformers, vllm serve)")
     ex.add_argument("source", help="a run directory (its latest checkpoint) or a checkpoint directory")
@@ -224,24 +228,19 @@ def serve_rollout(args: argparse.Namespace) -> None:
         from .train.preflight import check_port_free
 
         check_port_free(args.host, args.port)
-    model_dir, max_model_len = args.model, None
+    model_dir, max_model_len, eager = args.model, None, args.enforce_eager
     if args.config:
-        from .train.build import load
-        from .train.config import for_device
-        from .train.config.io import load_config
-        from .train.model.hf import save_hf_model
+        model_dir, max_model_len, config_eager = _config_model(args)
+        eager = config_eager if eager is None else eager
+    from .train.rollout.vllm_sampler import engine_enforce_eager
 
-        config = for_device(load_config(args.config), "cuda" if torch.cuda.is_available() else "cpu")
-        model = load(config).model
-        max_model_len = model.generation_config.max_length  # the run's longest prompt + completion (build)
-        model_dir = str(save_hf_model(model, args.model_dir))
-        args.dtype = "bfloat16" if config.model.dtype == "bfloat16" else "float32"
     backend = args.weight_transfer
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     server = RolloutServer(model_dir, host=args.host, port=args.port, tensor_parallel_size=args.tensor_parallel_size,
                            dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization, backend=backend,
-                           max_model_len=max_model_len, api_key=key, inherit_vllm_api_key=True)  # fmt: skip
+                           max_model_len=max_model_len, api_key=key, inherit_vllm_api_key=True,
+                           enforce_eager=engine_enforce_eager(eager, cuda=torch.cuda.is_available()))  # fmt: skip
     command = server.command()
     if args.print_command:
         source = ""  # where the key comes from, never the key
@@ -252,6 +251,29 @@ def serve_rollout(args: argparse.Namespace) -> None:
         print(f"{source}VLLM_SERVER_DEV_MODE=1 " + shlex.join(command))
         return
     os.execvpe(command[0], command, server.environment())
+
+
+def _config_model(args: argparse.Namespace) -> tuple:
+    """serve-rollout --config: (the model directory to serve, the run's max_model_len, its vllm_enforce_eager);
+    args.dtype set to the run's. The model's own directory is served as it is (the trainer sends its weights before
+    the first request, a warm-started or converted model's included); only the built-in tiny model, which has
+    none, is written, once, to --model-dir (grpo_kernels.train.model.export)."""
+    from .train.build import load
+    from .train.config import for_device
+    from .train.config.io import load_config
+    from .train.rollout.vllm_sampler import model_directory
+
+    config = for_device(load_config(args.config), "cuda" if torch.cuda.is_available() else "cpu")
+    inputs = load(config)
+    max_model_len = inputs.model.generation_config.max_length  # the run's longest prompt + completion (build)
+    args.dtype = "bfloat16" if config.model.dtype == "bfloat16" else "float32"
+    source = model_directory(config.model.name)
+    if source is None:
+        from .train.model.export import export_model
+
+        source = export_model(inputs.model, inputs.tok, args.model_dir, dtype=getattr(torch, args.dtype),
+                              max_shard_bytes=5 << 30, stop_ids=inputs.tok.stop_ids)  # fmt: skip
+    return str(source), max_model_len, config.sampling.vllm_enforce_eager
 
 
 def _known_models() -> list:

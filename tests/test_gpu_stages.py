@@ -132,6 +132,9 @@ def test_run_sh_dry_run_runs_every_stage_end_to_end_without_vllm_peft_or_flash_a
     assert "CUDA only" in steps["offload"]["note"] and '"auto": "' in steps["auto"]["note"]
     assert "1 forward, 0 recomputed" in steps["none"]["note"] and "1 forward, 1 recomputed" in steps["blocks"]["note"]
     assert {r["quantity"] for r in speed} >= {"train MFU", "old + ref log-probs", "peak above static", "generation"}
+    engine = [r for r in speed if r["mode"] == "vllm"]  # vLLM's rows: "not run" where it is not importable
+    assert [r["quantity"] for r in engine] == ["start", "decode", "sleep level 1", "sleep level 2"]
+    assert all(r["note"] == "not run: vllm not importable here" for r in engine), engine
 
     trl = rows(got / "trl_side_by_side.csv")
     assert {(r["provider"], r["step"]) for r in trl} == {(p, s) for p in ("trl", "dropin", "ours")

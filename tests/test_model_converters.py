@@ -1,8 +1,9 @@
 """The model-converter hook (grpo_kernels.train.model.converters), through a test converter that does what an adapter
 does to the names: it wraps every linear layer of the decoder blocks in a module of its own (q_proj.weight becomes
 q_proj.inner.weight) and freezes the embeddings (tied to the LM head in the tiny model). Checked: the optimizer's
-parameters, `decoder_blocks`, the reference policy, the names the vLLM sampler receives (the HF originals, in the
-directory it loads and in every weight update), a checkpoint round trip, and a whole run."""
+parameters, `decoder_blocks`, the reference policy, the names the vLLM sampler receives (the HF originals, those it
+is told to expect and those of every weight update, the first before it samples), a checkpoint round trip, and a
+whole run."""
 
 import contextlib
 import json
@@ -60,18 +61,18 @@ TINY = ["--model.name=tiny", "--task.name=add", "--task.num_eval_prompts=8", "--
 
 
 class RecordingEngine:
-    """vLLM's place in make_sampler: records the names in the directory it is given, loads it as a plain HF model and
-    strictly loads every weight update into it (an unexpected or missing name raises)."""
+    """vLLM's place in make_sampler: records the weight names it is told to expect, builds a plain HF model from the
+    directory's config (random weights, as vLLM's load_format "dummy") and strictly loads every weight update into
+    it (an unexpected or missing name raises)."""
 
     made: list = []
 
-    def __init__(self, model_dir, *, eos_id, stop_ids, max_new_tokens, temperature, **_):
-        from safetensors import safe_open
-        from transformers import AutoModelForCausalLM
+    def __init__(self, model_dir, *, eos_id, stop_ids, max_new_tokens, temperature, weight_names, load_format, **_):
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        with safe_open(f"{model_dir}/model.safetensors", framework="pt") as f:
-            self.written = sorted(f.keys())
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir)
+        assert load_format == "dummy"
+        self.written = sorted(weight_names)
+        self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
         self.loaded = []
         self.hf = HFSampler(self.model, eos_id=eos_id, pad_id=eos_id, stop_ids=stop_ids,
                             max_new_tokens=max_new_tokens, temperature=temperature)  # fmt: skip
@@ -126,11 +127,12 @@ def test_the_vllm_sampler_receives_the_hf_names(tmp_path, monkeypatch):
     original = load(config).model.state_dict()
     with stack:
         engine = RecordingEngine.made[-1]
-        assert engine.written == sorted(set(original) - {"lm_head.weight"})  # the directory (one copy of the tied head)
+        assert engine.written == sorted(set(original) - {"lm_head.weight"})  # (one copy of the tied head)
+        assert engine.loaded == [sorted(original)]  # the model's weights, before the first sample
         with torch.no_grad():
             parts.policy.model.base_model.layers[0].self_attn.q_proj.inner.weight.add_(1.0)
         parts.rollouts.sync(parts.policy, 1)
-        assert engine.loaded == [sorted(original)]
+        assert engine.loaded == [sorted(original)] * 2
         assert torch.equal(engine.model.model.layers[0].self_attn.q_proj.weight,
                            parts.policy.model.base_model.layers[0].self_attn.q_proj.inner.weight)  # fmt: skip
         hf = converters.hf_state_dict(parts.policy.model)

@@ -307,7 +307,8 @@ def _open_decoupled(monkeypatch, overrides):
     from grpo_kernels.train.rollout import decoupled
 
     config = load_config(None, ["--sampling.sampler=vllm", "--sampling.placement=decoupled", *overrides])
-    monkeypatch.setattr(decoupled, "save_hf_model", lambda model, path: path)
+    monkeypatch.setattr(decoupled, "hf_weight_names", lambda model: set())  # (a stand-in model)
+    monkeypatch.setattr(decoupled, "write_engine_config", lambda model, path: path)
     monkeypatch.setattr(decoupled, "_launch", lambda servers, at_once: None)
     monkeypatch.setattr(decoupled, "_split_cores", lambda s, log: [[0]] * s.servers)
     monkeypatch.setattr(decoupled, "ServerSampler", lambda clients, **kwargs: SimpleNamespace(clients=clients))

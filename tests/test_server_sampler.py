@@ -315,7 +315,8 @@ def test_the_trainer_builds_its_sampler_with_the_floor_rate_its_timeout_and_the_
                                 "--sampling.server_urls=http://127.0.0.1:9", "--sampling.server_min_tokens_per_s=123",
                                 "--sampling.server_timeout_s=7"])  # fmt: skip
     built = {}
-    monkeypatch.setattr(decoupled, "save_hf_model", lambda model, path: path)
+    monkeypatch.setattr(decoupled, "hf_weight_names", lambda model: set())  # (a stand-in model)
+    monkeypatch.setattr(decoupled, "write_engine_config", lambda model, path: path)
     monkeypatch.setattr(decoupled, "ServerSampler", lambda clients, **kwargs: built.update(kwargs))
     tok = SimpleNamespace(eos_id=0, stop_ids=(), encode_prompt=lambda p: [1], encode=lambda a, eos: [2])
     inputs = SimpleNamespace(tok=tok, train_set=[SimpleNamespace(prompt="1+1", answer="2")], rewards=None,

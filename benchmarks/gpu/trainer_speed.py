@@ -24,6 +24,9 @@ Rows per mode (none, selective, blocks, offload, auto), each on a fresh model af
 Generation (once, mode-independent): the trainer's HF sampler on the same model, the 128 rows to 1,024 new tokens
 (random weights never stop early): seconds and tokens/s. The dry run runs all of it at a tiny shape on the CPU
 ("offload" needs CUDA: its row says so) to check the stage end to end; its numbers mean nothing.
+vLLM (mode "vllm", benchmarks/gpu/vllm_speed.py): the colocated engine's start and decode with and without CUDA graphs
+(sampling.vllm_enforce_eager), the memory its sleep levels give back (sampling.vllm_sleep); "not run" rows where vLLM
+is not importable or there is no CUDA.
 """
 
 import copy
@@ -35,6 +38,7 @@ import torch
 
 from benchmarks.common import BlockProbe, write_csv
 from benchmarks.gpu import stage_args
+from benchmarks.gpu.vllm_speed import vllm_rows
 from grpo_kernels.attention import HF_ATTENTION_NAME, register_hf_attention
 from grpo_kernels.train.model import activation
 from grpo_kernels.train.model.policy import Policy
@@ -216,7 +220,13 @@ def main(argv=None) -> int:
     except Exception as exc:  # noqa: BLE001
         rows.append(failure_row("-", exc, "generation"))
     write()
-    print(*(r for r in rows if r["mode"] == "-"), sep="\n")
+    print(*(r for r in rows if r["mode"] == "-"), sep="\n", flush=True)
+    try:
+        vllm_rows(shape, build_model, rows)
+    except Exception as exc:  # noqa: BLE001
+        rows.append(failure_row("vllm", exc, "start"))
+    write()
+    print(*(r for r in rows if r["mode"] == "vllm"), sep="\n")
     return 1 if any(r["value"] == "error" for r in rows) else 0  # out of memory is a result, not a failure
 
 

@@ -4,6 +4,12 @@ the policy with its activation memory, sharding, optimizer and learning-rate sch
 
     inputs = load(config)                  # no process started, nothing written but the model cache
     model, tok = load_model(config)        # the model and tokenizer alone, the prompt format set as the trainer does
+
+Loading under torchrun (`sharded_loading`): an HF model is built on the meta device, converted, sharded, and then
+each rank reads only its shard of the checkpoint (grpo_kernels.train.model.sharded_load), the reference policy
+likewise; a rank never holds the whole model in fp32. The built-in tiny model (a seeded random init) and a new run
+with an SFT warm start (it trains the whole model on every rank) load the whole model on every rank and shard it, as
+a single process loads it.
 """
 
 import contextlib
@@ -23,18 +29,20 @@ from .model.converters import apply_converters, make_converter, trainable_parame
 from .model.fsdp import Dist, shard
 from .model.lengths import check_model_len, position_limit
 from .model.policy import Policy
+from .model.sharded_load import is_meta, load_shards, remember_unsharded
 from .rollout.colocated import Colocated
 from .step import sft_warmup
 
 __all__ = ["Loaded", "RunParts", "build", "build_policy", "load", "load_model", "make_rollouts", "make_run_task",
-           "task_examples", "task_rewards"]  # fmt: skip
+           "sharded_loading", "task_examples", "task_rewards"]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
 class Loaded:
     """A run's inputs as the trainer loads them, before any warm start, copy or sharding: the tokenizer (its prompt
     format set), the task, its training examples (trained on in `PromptStream(train_set, config.seed)` order) and
-    held-out examples, the reward functions that score them, and the model (on the CPU, in fp32)."""
+    held-out examples, the reward functions that score them, and the model (on the CPU, in fp32; its parameters on
+    the meta device when loaded without weights, for sharded loading)."""
 
     tok: object
     task: Task
@@ -99,10 +107,12 @@ def task_rewards(task: Task, settings: TaskConfig | None = None) -> Rewards:
                    processes=t.reward_processes, task_name=t.name)  # fmt: skip
 
 
-def load_model(config: TrainConfig, *, attn_implementation: str | None = None):
+def load_model(config: TrainConfig, *, attn_implementation: str | None = None, weights: bool = True):
     """(model, tokenizer) as a run loads them: the built-in tiny decoder (seeded by config.seed) or a model path /
     known name in fp32 on the CPU, the tokenizer's prompt format set by task.chat_template and task.system_prompt
-    (an error where the tokenizer cannot honour them). attn_implementation: instead of model.attn_implementation."""
+    (an error where the tokenizer cannot honour them). attn_implementation: instead of model.attn_implementation.
+    weights False: a model path's parameters on the meta device, its checkpoint checked (`load_policy`); the tiny
+    model is made whole."""
     t, m = config.task, config.model
     attn = attn_implementation or m.attn_implementation
     if m.name == "tiny":
@@ -115,7 +125,7 @@ def load_model(config: TrainConfig, *, attn_implementation: str | None = None):
         from .model.known import resolve_model
 
         path = resolve_model(m.name) or m.name
-        model, tok = load_policy(path, dtype="float32", attn_implementation=attn)
+        model, tok = load_policy(path, dtype="float32", attn_implementation=attn, weights=weights)
     chat = t.prompt_format(tok.has_chat_template)  # "on", "off" or "conversational" (TRL's rule)
     if chat == "on" and not tok.has_chat_template:
         raise ValueError(f'task.chat_template is "on" but the tokenizer of {m.name} has no chat template')
@@ -128,15 +138,15 @@ def load_model(config: TrainConfig, *, attn_implementation: str | None = None):
     return model, tok
 
 
-def load(config: TrainConfig) -> Loaded:
+def load(config: TrainConfig, *, weights: bool = True) -> Loaded:
     """The run's inputs (`Loaded`), the data checked against the token budget and the model's positions. Starts no
     process and writes nothing but the model cache (a known model such as "smollm2-135m" is converted there on first
-    use)."""
+    use). weights False: the model on the meta device (`load_model`)."""
     m = config.model
     task = make_run_task(config)
     rewards = task_rewards(task, config.task)  # (a spec that does not load: an error before the examples are drawn)
     task, train_set, eval_set = task_examples(config, task)
-    model, tok = load_model(config)
+    model, tok = load_model(config, weights=weights)
     longest = max(len(tok.encode_prompt(e.prompt)) for e in train_set + eval_set)
     # What the samplers allow, prompt + completion (vLLM's max_model_len, the servers' --max-model-len), kept where
     # HF keeps that bound, the model's generation config, for `make_sampler` and the decoupled servers.
@@ -157,30 +167,50 @@ def load(config: TrainConfig) -> Loaded:
     return Loaded(tok, task, train_set, eval_set, rewards, model)
 
 
+def sharded_loading(config: TrainConfig, d: Dist, *, resuming: bool) -> tuple[bool, str]:
+    """(whether `build` loads the model sharded, why not where it could): under torchrun an HF model is, unless a
+    new run warm-starts it (task.sft_warmup_steps trains the whole model on every rank, before sharding). The tiny
+    model (a seeded random init, no files) never."""
+    if not d.distributed or config.model.name == "tiny":
+        return False, ""
+    if config.task.sft_warmup_steps and not resuming:
+        return False, "task.sft_warmup_steps trains the whole model on every rank before it is sharded"
+    return True, ""
+
+
 def build(config: TrainConfig, d: Dist, *, resources: contextlib.ExitStack, run_dir, resuming: bool, log) -> RunParts:
     """The run's parts, in order: its inputs (`load`), the SFT warm start (a new run's: a resumed one loads its
-    weights), the model converters (model.converters), the model on its device, the rollouts made from it (before it
-    is sharded), then the policy (`build_policy`). What holds a process or a thread (the reward functions' workers,
-    the rollouts) goes on resources as it is made."""
+    weights), the model converters (model.converters), then either the model on its device, the rollouts made from
+    it (before it is sharded) and the policy (`build_policy`), or, with sharded loading (`sharded_loading`), the
+    policy (sharded, each rank reading its shard) and the rollouts made from it. What holds a process or a thread
+    (the reward functions' workers, the rollouts) goes on resources as it is made."""
     converters = [make_converter(spec) for spec in config.model.converters]  # (a spec that does not load: now)
-    inputs = load(config)
+    sharded, whole = sharded_loading(config, d, resuming=resuming)
+    if whole:
+        log(f"loading: the whole model on every rank, then sharded ({whole})")
+    inputs = load(config, weights=not sharded)
     resources.callback(inputs.rewards.close)  # the reward functions' worker processes, if any
     model, tok, task = inputs.model, inputs.tok, inputs.task
     if config.task.sft_warmup_steps and not resuming:
         losses = sft_warmup(model, tok, task, steps=config.task.sft_warmup_steps, seed=config.seed)
         log(f"SFT warm start: {config.task.sft_warmup_steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
-    model = apply_converters(model, config, converters)
-    model.to(d.device)
-    rollouts = make_rollouts(config, model, inputs, d, run_dir, log)
-    resources.callback(rollouts.close)
-    policy, ref_policy, optimizer, scheduler = build_policy(config, model, d, log)
+    model = apply_converters(model, config, converters)  # (on the meta device with sharded loading)
+    if sharded:
+        policy, ref_policy, optimizer, scheduler = build_policy(config, model, d, log)
+        rollouts = make_rollouts(config, policy.model, inputs, d, run_dir, log)
+        resources.callback(rollouts.close)
+    else:
+        model.to(d.device)
+        rollouts = make_rollouts(config, model, inputs, d, run_dir, log)
+        resources.callback(rollouts.close)
+        policy, ref_policy, optimizer, scheduler = build_policy(config, model, d, log)
     return RunParts(tok, task, inputs.train_set, inputs.eval_set, inputs.rewards, policy, ref_policy, optimizer,
                     scheduler, rollouts)  # fmt: skip
 
 
 def make_rollouts(config: TrainConfig, model, inputs: Loaded, d: Dist, run_dir, log):
-    """The run's `RolloutSource`, made from the model before it is sharded: rollout servers (decoupled; started by
-    rank 0) or the trainer's own sampler (colocated)."""
+    """The run's `RolloutSource`, made from the model before it is sharded (after, with sharded loading): rollout
+    servers (decoupled; started by rank 0) or the trainer's own sampler (colocated)."""
     if config.sampling.placement == "decoupled":
         from .rollout.decoupled import Decoupled  # imports vLLM (its weight-transfer API): only here
 
@@ -190,8 +220,12 @@ def make_rollouts(config: TrainConfig, model, inputs: Loaded, d: Dist, run_dir, 
 
 def build_policy(config: TrainConfig, model, d: Dist, log):
     """(policy, reference policy or None, optimizer, scheduler) of the model: a frozen copy for the KL term when
-    loss.beta > 0, the activation checkpointing mode applied, both sharded over the ranks when distributed."""
+    loss.beta > 0, the activation checkpointing mode applied, both sharded over the ranks when distributed. A model
+    on the meta device (sharded loading) is copied there, sharded, and then each rank reads its shard of both."""
     bf16 = config.model.dtype == "bfloat16"
+    meta = is_meta(model)
+    if meta:
+        remember_unsharded(model)  # (a sampler's full copy is made from it: sharded_load.unsharded_copy)
     ref_policy = None
     if config.loss.beta > 0:
         ref_policy = Policy(copy.deepcopy(model).requires_grad_(False), compute_dtype=torch.bfloat16 if bf16 else None)
@@ -204,6 +238,8 @@ def build_policy(config: TrainConfig, model, d: Dist, log):
         dtype = torch.bfloat16 if bf16 else torch.float32
         for p in [policy] + ([ref_policy] if ref_policy else []):
             shard(p, decoder_blocks(p.model), device=d.device, world=d.world, dtype=dtype)
+    if meta:
+        load_shards([policy] + ([ref_policy] if ref_policy else []), d)
     o = config.optim
     optimizer = torch.optim.AdamW(trainable_parameters(policy), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config))

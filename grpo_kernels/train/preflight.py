@@ -39,6 +39,10 @@ def check(config, device_type: str):
         raise ValueError(f'model.activation_checkpointing = "offload" needs a CUDA device (pinned host memory to '
                          f'offload to), this run trains on {device_type}: use "blocks", whose saved block inputs '
                          "already live in host memory there")  # fmt: skip
+    if config.sampling.sampler == "vllm":  # the vLLM engine's options this machine cannot honour (sleep mode)
+        from .rollout.vllm_sampler import check_engine_options
+
+        check_engine_options(config.sampling, device_type)
     cores = len(os.sched_getaffinity(0))
     if config.task.reward_processes > cores:
         raise ValueError(f"task.reward_processes = {config.task.reward_processes} is more worker processes than the "

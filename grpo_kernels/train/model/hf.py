@@ -143,7 +143,7 @@ class HFTokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
-def load_policy(path, *, dtype="float32", attn_implementation: str = HF_ATTENTION_NAME):
+def load_policy(path, *, dtype="float32", attn_implementation: str = HF_ATTENTION_NAME, weights: bool = True):
     """(model, HFTokenizer) of the HF causal LM in the local directory `path`; the model in eval mode, as loaded.
     The tokenizer's stop_ids are its eos and the eos ids of the model's generation config; it encodes prompts as
     plain text until `set_prompt_format(chat_template=True)`.
@@ -152,6 +152,9 @@ def load_policy(path, *, dtype="float32", attn_implementation: str = HF_ATTENTIO
         dtype: parameter dtype, "float32", "bfloat16" or "float16" (or the torch dtype).
         attn_implementation: "grpo_varlen" (packed, padding-free: registered here), "sdpa", "eager", or any other
             name transformers knows.
+        weights: False: the model's parameters on the meta device, its buffers computed, the checkpoint's names and
+            shapes checked (a tensor of another shape is named); each rank reads its shard later
+            (grpo_kernels.train.model.sharded_load).
 
     Raises:
         ValueError (one line) when the path is not a directory, has no config.json or one that is not a causal LM's,
@@ -159,8 +162,6 @@ def load_policy(path, *, dtype="float32", attn_implementation: str = HF_ATTENTIO
         tokens than the model's embedding has rows, or with "grpo_varlen" when the model's attention has a feature
         packed attention cannot honour (see grpo_kernels.attention.check_packed_attention).
     """
-    from transformers import AutoModelForCausalLM
-
     torch_dtype = _torch_dtype(dtype)
     directory = Path(path)
     if not directory.exists():
@@ -176,6 +177,29 @@ def load_policy(path, *, dtype="float32", attn_implementation: str = HF_ATTENTIO
     tokenizer = _load_tokenizer(directory)
     if attn_implementation == HF_ATTENTION_NAME:
         register_hf_attention()
+    if weights:
+        model = _from_pretrained(directory, torch_dtype, attn_implementation)
+    else:
+        from .sharded_load import meta_model
+
+        model = meta_model(directory, config, dtype=torch_dtype, attn_implementation=attn_implementation,
+                           dtype_kwarg=_dtype_kwarg(torch_dtype))  # fmt: skip
+    rows = model.get_input_embeddings().num_embeddings
+    if tokenizer.vocab_size > rows:
+        raise ValueError(f"the tokenizer in {directory} has {tokenizer.vocab_size} tokens but the model's embedding "
+                         f"only {rows} rows")  # fmt: skip
+    if attn_implementation == HF_ATTENTION_NAME and weights:  # (a meta model's: once loaded, `load_shards`)
+        try:
+            check_packed_attention(model)
+        except NotImplementedError as exc:
+            raise ValueError(f"the model in {directory} cannot run packed: {exc}") from exc
+    tokenizer.stop_ids = tuple(dict.fromkeys([tokenizer.eos_id, *_generation_eos_ids(model)]))
+    return model, tokenizer
+
+
+def _from_pretrained(directory: Path, torch_dtype: torch.dtype, attn_implementation: str):
+    from transformers import AutoModelForCausalLM
+
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             directory, local_files_only=True, attn_implementation=attn_implementation, output_loading_info=True,
@@ -186,17 +210,7 @@ def load_policy(path, *, dtype="float32", attn_implementation: str = HF_ATTENTIO
     missing = sorted(info["missing_keys"])
     if missing:
         raise ValueError(f"the weights in {directory} lack {len(missing)} of the model's tensors, e.g. {missing[:3]}")
-    rows = model.get_input_embeddings().num_embeddings
-    if tokenizer.vocab_size > rows:
-        raise ValueError(f"the tokenizer in {directory} has {tokenizer.vocab_size} tokens but the model's embedding "
-                         f"only {rows} rows")  # fmt: skip
-    if attn_implementation == HF_ATTENTION_NAME:
-        try:
-            check_packed_attention(model)
-        except NotImplementedError as exc:
-            raise ValueError(f"the model in {directory} cannot run packed: {exc}") from exc
-    tokenizer.stop_ids = tuple(dict.fromkeys([tokenizer.eos_id, *_generation_eos_ids(model)]))
-    return model, tokenizer
+    return model
 
 
 def _generation_eos_ids(model) -> list[int]:
@@ -299,13 +313,15 @@ def save_hf_model(model, directory) -> Path:
     """Write a transformers model as a directory vLLM loads (config.json + model.safetensors); returns its path.
 
     Written here rather than by `save_pretrained`, which writes nothing on ranks other than 0 under torch.distributed,
-    while every rank starts its own sampler."""
+    while every rank starts its own sampler. An FSDP2-sharded model's tensors are gathered (a collective: every rank
+    calls it)."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(directory)
-    state = {name: t.detach().contiguous() for name, t in hf_state_dict(model).items()}  # (a converted model's too)
+    state = {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().contiguous()
+             for name, t in hf_state_dict(model).items()}  # (a converted model's too)
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # the checkpoint convention: one copy of a tied matrix
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})

@@ -35,12 +35,12 @@ from ...packing import pack_sequences
 from ..config.sampling import parse_cores
 from ..data.tasks import PromptStream
 from ..model.fsdp import SINGLE, all_gather_objects
-from ..model.hf import checkpoint_weight_names, save_hf_model
 from ..model.policy import completion_logprobs
 from .auth import env_key, new_key
 from .sampling import HeldOut, collect, held_out
 from .server import RolloutServer, RolloutServerError, ServerClient, free_port, response_limit
 from .server_sampler import ServerSampler
+from .vllm_sampler import engine_enforce_eager, hf_weight_names, model_directory, write_engine_config
 
 __all__ = ["Decoupled", "RolloutPipeline", "RolloutServerError"]
 
@@ -122,29 +122,34 @@ class Decoupled:
     """Rollout servers started (or reached) by trainer rank 0, the sampler over them, the weight stream, the
     pipeline that samples ahead; the prompt stream (drawn by rank 0's thread) and the held-out examples."""
 
-    def __init__(self, config, tok, rewards, stream, eval_set, d, started, clients, sampler, model_dir: Path, log):
+    def __init__(self, config, tok, rewards, stream, eval_set, d, started, clients, sampler, model_dir: Path, log, *,
+                 names=None):  # fmt: skip
         self.config, self.s, self.tok, self.d, self.log = config, config.sampling, tok, d, log
         self.rewards, self.stream, self.eval_set = rewards, stream, eval_set
         self.started, self.clients, self.sampler, self.model_dir = started, clients, sampler, model_dir
+        self.names = names  # (rank 0) the HF names of the weights the servers take
         self.sync_engine, self.pipeline, self.group_size = None, None, None
         example = stream.examples[0]  # every sync checks the weights on the first training example
         self.check_sequence = (tok.encode_prompt(example.prompt), tok.encode(example.answer, eos=True))
 
     @classmethod
     def open(cls, config, model, inputs, d, run_dir: Path, log) -> "Decoupled":
-        """Rank 0: write the model for the servers, start them (or reach sampling.server_urls), set their
-        temperature. Other ranks: nothing but the model directory's name. A started server's --max-model-len is
-        model.generation_config.max_length (set by the trainer's `build`: the longest prompt + max_new_tokens, or
-        sampling.max_model_len). inputs: the run's `Loaded` (its tokenizer, examples and rewards)."""
+        """Rank 0: start the servers (or reach sampling.server_urls), set their temperature. Other ranks: nothing
+        but the model directory's name. Started servers load the model's own directory with random weights
+        (--load-format dummy: its config.json alone is read, no copy written; the built-in tiny model, which has no
+        directory, gets its config.json in run_dir/rollout-model): `begin` sends the trainer's weights before any
+        request. A started server's --max-model-len is model.generation_config.max_length (set by the trainer's
+        `build`: the longest prompt + max_new_tokens, or sampling.max_model_len). inputs: the run's `Loaded` (its
+        tokenizer, examples and rewards)."""
         s, tok, stream = config.sampling, inputs.tok, PromptStream(inputs.train_set, config.seed)
-        model_dir = Path(run_dir) / "rollout-model"
+        model_dir, names = Path(run_dir) / "rollout-model", None
         started, clients, sampler = [], [], None
         cpus = _split_cores(s, log) if not torch.cuda.is_available() and not s.server_urls else None
         if d.is_main:
             devices = None if s.server_urls or cpus is not None else _server_devices(s, d)  # (before writing)
             key = env_key(s.server_api_key_env, "sampling.server_api_key_env") if s.server_api_key_env else None
             limit = response_limit(_max_group_size(config) * model.generation_config.max_length)
-            save_hf_model(model, model_dir)
+            names = hf_weight_names(model)
             try:
                 if s.server_urls:
                     clients = [ServerClient(u, timeout_s=s.server_timeout_s, api_key=key, max_response_bytes=limit)
@@ -153,15 +158,19 @@ class Decoupled:
                     key = key or new_key()  # a fresh one per run, in the servers' environment (owner-readable)
                     devices = devices or [None] * s.servers
                     dtype = "bfloat16" if config.model.dtype == "bfloat16" else "float32"
+                    source = model_directory(config.model.name)
+                    served = source if source is not None else write_engine_config(model, model_dir)
+                    eager = engine_enforce_eager(s.vllm_enforce_eager, cuda=torch.cuda.is_available())
                     for i in range(s.servers):
-                        server = RolloutServer(model_dir, port=free_port(), devices=devices[i],
+                        server = RolloutServer(served, port=free_port(), devices=devices[i],
                                                cpus=None if cpus is None else cpus[i],
                                                tensor_parallel_size=s.server_tensor_parallel_size, dtype=dtype,
                                                max_model_len=model.generation_config.max_length,
                                                gpu_memory_utilization=s.vllm_gpu_memory_utilization,
                                                backend=_backend(s), log_path=Path(run_dir) / f"rollout-server-{i}.log",
                                                start_timeout_s=s.server_start_timeout_s, api_key=key,
-                                               inherit_vllm_api_key=s.server_api_key_env == "VLLM_API_KEY")  # fmt: skip
+                                               inherit_vllm_api_key=s.server_api_key_env == "VLLM_API_KEY",
+                                               enforce_eager=eager, load_format="dummy")  # fmt: skip
                         started.append(server)
                     t = time.perf_counter()
                     _launch(started, at_once=START_AT_ONCE if cpus is None else max(1, min(START_AT_ONCE,
@@ -185,7 +194,8 @@ class Decoupled:
             log(f"warning: task.reward_timeout_s = {t.reward_timeout_s} bounds no plain reward function here: "
                 "decoupled sampling scores in its own thread, where a hung call cannot be stopped (set "
                 "task.reward_processes to run them in processes that can)")  # fmt: skip
-        return cls(config, tok, inputs.rewards, stream, inputs.eval_set, d, started, clients, sampler, model_dir, log)
+        return cls(config, tok, inputs.rewards, stream, inputs.eval_set, d, started, clients, sampler, model_dir, log,
+                   names=names)  # fmt: skip
 
     def begin(self, policy, *, version: int, resumed: bool) -> None:
         """Every rank, a new run's too: the weight stream connected, the trainer's weights sent to the servers, the
@@ -203,7 +213,7 @@ class Decoupled:
         from .weight_transfer import WeightSync
 
         s = self.config.sampling
-        names = all_gather_objects(checkpoint_weight_names(self.model_dir) if self.d.is_main else None, self.d)[0]
+        names = all_gather_objects(self.names if self.d.is_main else None, self.d)[0]
         address = s.weight_transfer_address or _default_address([c.url for c in self.clients])
         port = all_gather_objects(free_port() if self.d.is_main else None, self.d)[0]
         wire = torch.bfloat16 if self.config.model.dtype == "bfloat16" else torch.float32
@@ -292,8 +302,8 @@ class Decoupled:
         return all_gather_objects(result, self.d)[0]
 
     def close(self) -> None:
-        """Stop the sampling thread, the weight stream and the started servers; remove the servers' model copy
-        (scratch: a resumed run writes it again), also when the run failed."""
+        """Stop the sampling thread, the weight stream and the started servers; remove the tiny model's config
+        folder for the servers (scratch: a resumed run writes it again), also when the run failed."""
         if self.pipeline is not None:
             self.pipeline.close()
         if self.sync_engine is not None:

@@ -77,7 +77,8 @@ class RolloutServer:
                  max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.3, backend: str = "gloo", log_path=None,
                  start_timeout_s: float = 600.0, api_key: str | None = None,
-                 inherit_vllm_api_key: bool = False):  # fmt: skip
+                 inherit_vllm_api_key: bool = False, enforce_eager: bool = True,
+                 load_format: str = "auto"):  # fmt: skip
         self.model_dir, self.host, self.port = str(model_dir), host, port
         self.url = f"http://{host}:{port}"
         self.devices, self.cpus, self.tensor_parallel_size, self.backend = devices, cpus, tensor_parallel_size, backend
@@ -85,11 +86,17 @@ class RolloutServer:
         self.log_path = Path(log_path) if log_path else None
         self.start_timeout_s = start_timeout_s
         self.api_key, self.inherit_vllm_api_key = api_key, inherit_vllm_api_key
+        self.enforce_eager, self.load_format = enforce_eager, load_format
         self.process = None
 
     def command(self) -> list[str]:
+        """The server's command line. enforce_eager: without CUDA graphs (sampling.vllm_enforce_eager);
+        load_format "dummy": random weights, nothing but the model directory's config.json read (the trainer sends
+        its weights before the first request)."""
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
-               "--host", self.host, "--port", str(self.port), "--dtype", self.dtype, "--enforce-eager",
+               "--host", self.host, "--port", str(self.port), "--dtype", self.dtype,
+               *(["--enforce-eager"] if self.enforce_eager else []),
+               *(["--load-format", self.load_format] if self.load_format != "auto" else []),
                "--skip-tokenizer-init", "--enable-scale-out", "--generation-config", "vllm",
                "--logprobs-mode", "raw_logprobs",
                "--tensor-parallel-size", str(self.tensor_parallel_size),

@@ -8,11 +8,12 @@ A converter is an object with two methods (`ModelConverter`):
 
     convert(model, config) -> model     # in place or a new module; may rename parameters and freeze some
     hf_weights(named) -> named          # (name, tensor) pairs of the converted model -> the HF checkpoint's
+    init_weights(model)                 # optional: sets the parameters it made, after a sharded load (sharded_load)
 
 Everything after the conversion asks the converted model, never assuming a plain HF decoder: the reference policy is
 a copy of it, the optimizer gets its `trainable_parameters`, `decoder_blocks` (activation memory, sharding) may be
 given by a converter, the checkpoint saves its state, and what leaves the trainer as an HF model (the vLLM
-sampler's directory and weight updates, the rollout servers' weight stream) goes through `hf_state_dict` /
+engines' weights, the rollout servers' weight stream, the exported model) goes through `hf_state_dict` /
 `hf_named_weights`: the converters' `hf_weights` in reverse order, so the sampler receives the HF names.
 """
 

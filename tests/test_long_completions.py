@@ -96,6 +96,9 @@ def test_the_samplers_get_the_longest_prompt_plus_max_new_tokens_as_max_model_le
         def __init__(self, directory, **options):
             seen.update(options)
 
+        def load_weights(self, weights):  # the trainer's weights, handed over before the first sample
+            seen["weights"] = dict(weights)
+
     monkeypatch.setattr(vllm_sampler, "VLLMSampler", Engine)
     for extra, given in (([], None), (["sampling.max_model_len=500"], 500)):
         config = load_config(None, ["sampling.sampler=vllm", "sampling.max_new_tokens=300",

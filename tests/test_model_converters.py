@@ -71,6 +71,7 @@ class RecordingEngine:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         assert load_format == "dummy"
+        self.model_dir, self.load_format = str(model_dir), load_format
         self.written = sorted(weight_names)
         self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
         self.loaded = []

@@ -215,7 +215,13 @@ def make_rollouts(config: TrainConfig, model, inputs: Loaded, d: Dist, run_dir, 
         from .rollout.decoupled import Decoupled  # imports vLLM (its weight-transfer API): only here
 
         return Decoupled.open(config, model, inputs, d, run_dir, log)
-    return Colocated(config, model, inputs, d)
+    rollouts = Colocated(config, model, inputs, d)
+    if config.sampling.sampler == "vllm":
+        engine = rollouts.sampler
+        what = ("its config.json alone; the weights are the trainer's, handed over in memory, no copy written"
+                if engine.load_format == "dummy" else "its weights")  # fmt: skip
+        log(f"vLLM sampler: the engine opened {engine.model_dir} ({what})")
+    return rollouts
 
 
 def build_policy(config: TrainConfig, model, d: Dist, log):

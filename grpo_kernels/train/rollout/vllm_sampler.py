@@ -182,6 +182,7 @@ class VLLMSampler:
         self._dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
         self._asleep: set = set()  # what vLLM holds asleep: "weights", "kv_cache"
         self._weights_missing = load_format == "dummy"  # random or discarded weights until load_weights
+        self.model_dir, self.load_format = str(model_dir), load_format  # what the engine opened (the run's log)
         self.llm = self._start_engine(
             model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len, enforce_eager=enforce_eager, generation_config="vllm",

@@ -216,7 +216,9 @@ def make_rollouts(config: TrainConfig, model, inputs: Loaded, d: Dist, run_dir, 
 
         return Decoupled.open(config, model, inputs, d, run_dir, log)
     rollouts = Colocated(config, model, inputs, d)
-    if config.sampling.sampler == "vllm":
+    from .rollout.vllm_sampler import VLLMSampler  # (no vLLM import: the engine's own module, loaded when used)
+
+    if isinstance(rollouts.sampler, VLLMSampler):
         engine = rollouts.sampler
         what = ("its config.json alone; the weights are the trainer's, handed over in memory, no copy written"
                 if engine.load_format == "dummy" else "its weights")  # fmt: skip

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["SINGLE", "Dist", "all_gather_objects", "all_reduce_sum",
+__all__ = ["SINGLE", "Dist", "all_gather_objects", "all_reduce_sum", "rank_memory_bytes",
            "full_state_dict", "init_distributed", "shard"]
 
 
@@ -149,3 +149,19 @@ def all_reduce_sum(values: torch.Tensor, d: Dist) -> torch.Tensor:
     values = values.clone()
     dist.all_reduce(values)
     return values
+
+
+def rank_memory_bytes(device: torch.device) -> int:
+    """Memory this rank may take on device: the GPU's free memory, or the host's available memory divided among the
+    ranks on it (LOCAL_WORLD_SIZE: the ranks on a host share its memory)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    available = None
+    if os.path.exists("/proc/meminfo"):
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    if available is None:  # not Linux: the total physical memory
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from .converters import converters_of, hf_named_weights
-from .fsdp import SINGLE, Dist, all_gather_objects
+from .fsdp import SINGLE, Dist, all_gather_objects, rank_memory_bytes
 
 __all__ = ["Entry", "available_bytes", "check_checkpoint", "check_fits", "checkpoint_entries", "is_meta",
            "load_shards", "meta_model", "parameters_on_meta", "read_rows", "remember_unsharded", "unsharded_copy",
@@ -213,19 +213,8 @@ def _local(param: torch.Tensor):
 
 
 def available_bytes(device: torch.device) -> int:
-    """Memory this rank may take on device: the GPU's free memory, or the host's available memory divided among the
-    ranks on it (LOCAL_WORLD_SIZE)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    available = None
-    if os.path.exists("/proc/meminfo"):
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-    if available is None:  # not Linux: the total physical memory
-        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    """Memory this rank may take on device (`rank_memory_bytes`)."""
+    return rank_memory_bytes(device)
 
 
 def _shard_bytes(module: torch.nn.Module) -> int:

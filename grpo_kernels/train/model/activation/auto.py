@@ -21,9 +21,9 @@ the memory available (MemAvailable) shared by the ranks on this host (LOCAL_WORL
 that does not hold one completion with "blocks" is refused before the first step, naming the option.
 """
 
-import os
-
 import torch
+
+from ..fsdp import rank_memory_bytes
 
 __all__ = ["AUTO_ORDER", "BLOCK_HIDDEN", "BLOCK_MLP", "activation_bytes", "activation_budget", "choose_checkpointing"]
 
@@ -66,19 +66,8 @@ def activation_budget(model, device: torch.device, gb: float | None) -> float:
         return gb * 2**30
     params = sum(p.numel() for p in model.parameters())
     later = 12 * params  # fp32 gradients and two moments, allocated at the first step
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return 0.9 * free - later
-    available = None
-    if os.path.exists("/proc/meminfo"):
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-    if available is None:  # not Linux: the total physical memory
-        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # the ranks on this host share its memory
-    return 0.5 * available / max(1, local_ranks) - later
+    share = rank_memory_bytes(device)  # a GPU's free memory, or this rank's share of the host's
+    return (0.9 if device.type == "cuda" else 0.5) * share - later
 
 
 def choose_checkpointing(model_config, *, budget: float, tokens: int, completion_tokens: int, dtype_bytes: int,

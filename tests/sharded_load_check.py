@@ -13,7 +13,7 @@ OUT/rank<R>.json).
         # its peak when the rollouts are made (the model whole on every rank, before the copies and sharding)
 
 A converter that renames the decoder blocks' linear layers ("sharded_check_wrap", as tests/test_model_converters.py's)
-is registered here, so a run may name it.
+is registered here (the embeddings left trainable), so a run may name it.
 """
 
 import contextlib
@@ -23,36 +23,17 @@ import sys
 from pathlib import Path
 
 import torch
+from test_model_converters import WrapLinears as ModelConvertersWrap  # (this script's folder is on sys.path)
 
 from grpo_kernels.train import build as build_module
 from grpo_kernels.train import trainer
 from grpo_kernels.train.config.io import load_config
 from grpo_kernels.train.model import converters, hf, sharded_load
-from grpo_kernels.train.model.activation import decoder_blocks
 from grpo_kernels.train.model.fsdp import init_distributed
 
 
-class Inner(torch.nn.Module):
-    def __init__(self, linear):
-        super().__init__()
-        self.inner = linear
-
-    def forward(self, x):
-        return self.inner(x)
-
-
-class WrapLinears:
-    def convert(self, model, config):
-        for block in decoder_blocks(model):
-            for parent in list(block.modules()):
-                for name, child in list(parent.named_children()):
-                    if isinstance(child, torch.nn.Linear):
-                        setattr(parent, name, Inner(child))
-        return model
-
-    def hf_weights(self, named):
-        for name, tensor in named:
-            yield name.replace(".inner.", "."), tensor
+class WrapLinears(ModelConvertersWrap):
+    freeze_embeddings = False
 
 
 converters.register_converter("sharded_check_wrap", WrapLinears)

@@ -325,3 +325,52 @@ def test_the_trainer_builds_its_sampler_with_the_floor_rate_its_timeout_and_the_
     d = SimpleNamespace(is_main=True, rank=0, world=1, distributed=False)
     decoupled.Decoupled.open(config, model, inputs, d, "/nonexistent-run", lambda line: None)
     assert (built["min_tokens_per_s"], built["allowance_s"], built["vocab_size"]) == (123.0, 7.0, 64)
+
+
+STUB_SERVER = """
+import subprocess, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # in the group, as vLLM's engine
+HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def test_a_started_server_stopped_by_sigstop_goes_down_at_once_and_a_dead_one_is_named_with_its_code(tmp_path):
+    """The trainer's RolloutServer around a stand-in process group (an HTTP /health and one engine child; the real
+    servers are in tests/test_decoupled.py). SIGSTOP'd, the group leaves within seconds of stop(), not at the
+    SIGKILL after its timeout: a stopped process acts on SIGTERM only once continued. SIGKILL'd, the next request
+    names the server and its exit code."""
+    import os
+    import signal
+    import sys
+
+    from grpo_kernels.train.rollout.server import RolloutServer, _group_alive, free_port
+
+    class StandIn(RolloutServer):
+        def command(self):
+            return [sys.executable, "-c", STUB_SERVER, str(self.port)]
+
+    stopped = StandIn(tmp_path, port=free_port(), start_timeout_s=60).start()
+    os.killpg(stopped.process.pid, signal.SIGSTOP)
+    t = time.monotonic()
+    stopped.stop(timeout_s=30)
+    assert time.monotonic() - t < 10 and not _group_alive(stopped.process.pid)
+
+    dead = StandIn(tmp_path, port=free_port(), start_timeout_s=60).start()
+    try:
+        dead.process.kill()
+        dead.process.wait(10)
+        with pytest.raises(RolloutServerError) as caught:
+            ServerClient(dead.url, process=dead, timeout_s=5).get("health")
+        assert str(caught.value).startswith(f"rollout server {dead.url} exited (code -9)"), caught.value
+    finally:
+        dead.stop(timeout_s=5)  # its engine child
+    assert not _group_alive(dead.process.pid)

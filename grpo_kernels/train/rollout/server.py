@@ -185,12 +185,15 @@ class RolloutServer:
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM to the server's process group (the API server and vLLM's engine processes, also when the API
-        server itself is already gone), SIGKILL to what is left after timeout_s."""
+        server itself is already gone), then SIGCONT (a stopped process acts on its SIGTERM only once continued),
+        SIGKILL to what is left after timeout_s."""
         if self.process is None:
             return
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
                 os.killpg(self.process.pid, sig)
+                if sig == signal.SIGTERM:
+                    os.killpg(self.process.pid, signal.SIGCONT)
             except ProcessLookupError:
                 break
             deadline = time.monotonic() + timeout_s

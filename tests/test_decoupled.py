@@ -178,4 +178,3 @@ def test_a_dead_server_ends_the_run_with_one_line_the_run_resumes_and_a_killed_t
     rows = [json.loads(line) for line in complete]
     assert [r["step"] for r in rows][: step + 3] == list(range(step + 3))  # the resumed steps follow on
     assert all(r["weight_sync_logp_max_diff"] <= 1e-4 for r in rows[step:])
-

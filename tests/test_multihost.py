@@ -132,8 +132,7 @@ def test_decoupled_run_across_three_network_namespaces(hosts, tmp_path):
                       f"--logging.run_dir={run}", "--optim.steps=3", "--optim.lr=1e-3", "--sampling.group_size=4",
                       "--sampling.prompts_per_step=4", "--task.num_eval_prompts=8", "--sampling.sampler=vllm",
                       "--sampling.placement=decoupled", f"--sampling.server_urls=http://{SERVER}:{PORT}",
-                      "--sampling.server_api_key_env=GRPO_KERNELS_API_KEY",
-                      f"--sampling.weight_transfer_address={NODE0}", "--sampling.max_new_tokens=4",
+                      "--sampling.server_api_key_env=GRPO_KERNELS_API_KEY", "--sampling.max_new_tokens=4",
                       "--packing.token_budget=256"]  # fmt: skip
             trainers.append(subprocess.Popen(hosts.command(name, *launch), stdout=subprocess.PIPE,
                                              stderr=subprocess.PIPE, text=True, env=_env()))  # fmt: skip
@@ -141,6 +140,11 @@ def test_decoupled_run_across_three_network_namespaces(hosts, tmp_path):
         for t, (_, err) in zip(trainers, outs, strict=True):
             assert t.returncode == 0, err[-4000:]
         assert "rollout servers: 1 started" not in outs[0][0]  # the trainer started none
+        # weight_transfer_address unset: rank 0's host's address on the route to the server (not the host name)
+        said = [(address, out) for address, (out, _) in zip((NODE0, NODE1), outs, strict=True)
+                if "weight stream:" in out]  # fmt: skip
+        assert len(said) == 1 and f"join trainer rank 0 at {said[0][0]}:" in said[0][1], said
+        assert "(this host's on their route)" in said[0][1]
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [0, 1, 2]
         assert all(r["weight_sync_logp_max_diff"] <= 1e-4 for r in rows)  # the weights crossed the bridge

@@ -385,3 +385,23 @@ def test_rollout_server_command_carries_what_the_trainer_relies_on(monkeypatch):
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and "LOCAL_RANK" not in env
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1,2"  # one core list per tensor-parallel rank
+
+
+def test_the_default_transfer_address_is_this_hosts_on_the_route_to_the_servers(monkeypatch):
+    """sampling.weight_transfer_address unset: 127.0.0.1 for local servers; else the source address of the route to
+    them (127.0.0.2 routes from 127.0.0.1 on Linux; the host name, which may map to 127.0.1.1 or "localhost", is
+    never asked). Servers behind different addresses of this host, or none reachable: one line naming the option.
+    (Across real interfaces: tests/test_multihost.py, which leaves the option unset.)"""
+    from grpo_kernels.train.rollout import decoupled
+
+    monkeypatch.setattr(decoupled.socket, "getfqdn", lambda *a: pytest.fail("the host name was asked"))
+    assert decoupled._default_address(["http://127.0.0.1:8000", "http://localhost:9"]) == "127.0.0.1"
+    assert decoupled._default_address(["http://127.0.0.2:8000"]) == "127.0.0.1"
+    with pytest.raises(ValueError, match=r"no route from this host to the rollout server '999.1.1.1' .*set "
+                                         r"sampling.weight_transfer_address"):  # fmt: skip
+        decoupled._default_address(["http://999.1.1.1:8000"])
+    monkeypatch.setattr(decoupled, "route_source", lambda host, port: {"a": "10.0.0.2", "b": "10.1.0.2"}[host])
+    assert decoupled._default_address(["http://a:1", "http://a:2"]) == "10.0.0.2"
+    with pytest.raises(ValueError, match=r"different addresses of this host \(10.0.0.2 for http://a:1; 10.1.0.2 for "
+                                         r"http://b:2\): set sampling.weight_transfer_address"):  # fmt: skip
+        decoupled._default_address(["http://a:1", "http://b:2"])

@@ -113,7 +113,7 @@ class SamplingConfig:
     """Decoupled: how the weights travel, "nccl" (GPUs), "gloo" (CPUs) or "auto" (nccl with CUDA, else gloo)."""
     weight_transfer_address: str = ""
     """Decoupled: the address of trainer rank 0 that servers connect to for the transfer; default 127.0.0.1 when
-    every server is local, else this host's name."""
+    every server is local, else this host's address on the route to the servers."""
     weight_sync_bucket_mb: int = 256
     """Decoupled: the weights are gathered (FSDP) and sent in buckets of at most this many MiB."""
     verify_weight_sync: bool = True

@@ -216,6 +216,9 @@ class Decoupled:
         names = all_gather_objects(self.names if self.d.is_main else None, self.d)[0]
         address = s.weight_transfer_address or _default_address([c.url for c in self.clients])
         port = all_gather_objects(free_port() if self.d.is_main else None, self.d)[0]
+        if self.d.is_main:
+            how = "sampling.weight_transfer_address" if s.weight_transfer_address else "this host's on their route"
+            self.log(f"weight stream: the servers join trainer rank 0 at {address}:{port} ({how})")
         wire = torch.bfloat16 if self.config.model.dtype == "bfloat16" else torch.float32
         self.sync_engine = WeightSync(model, servers=self.clients if self.d.is_main else None, rank=self.d.rank,
                                       backend=_backend(s), names=names, wire_dtype=wire, address=address, port=port,
@@ -378,5 +381,32 @@ def _server_devices(s, d) -> list:
 
 
 def _default_address(urls: list) -> str:
+    """The address servers reach trainer rank 0 at when sampling.weight_transfer_address is not set: 127.0.0.1 when
+    every server is local, else this host's address on the route to them (the source address the kernel picks;
+    this host's name may map to 127.0.1.1, or to an interface the servers cannot reach). Servers routed through
+    different addresses of this host: one line asking for the option."""
     hosts = {urlparse(u).hostname for u in urls}
-    return "127.0.0.1" if hosts <= {"127.0.0.1", "localhost"} else socket.getfqdn()
+    if hosts <= {"127.0.0.1", "localhost"}:
+        return "127.0.0.1"
+    routes = {}
+    for url in urls:
+        parsed = urlparse(url)
+        routes.setdefault(route_source(parsed.hostname, parsed.port or 80), []).append(url)
+    if len(routes) > 1:
+        seen = "; ".join(f"{address} for {', '.join(via)}" for address, via in routes.items())
+        raise ValueError(f"the rollout servers are reached through different addresses of this host ({seen}): set "
+                         "sampling.weight_transfer_address to the one every server can reach")  # fmt: skip
+    return next(iter(routes))
+
+
+def route_source(host: str, port: int) -> str:
+    """This host's address on the route to host:port (a UDP socket's connect: nothing is sent)."""
+    try:
+        family, _, _, _, target = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(target)
+            return probe.getsockname()[0]
+    except OSError as exc:
+        raise ValueError(f"no route from this host to the rollout server {host!r} ({exc}): set "
+                         "sampling.weight_transfer_address to this host's address on the servers' "
+                         "network") from None  # fmt: skip

@@ -68,8 +68,15 @@ def run_policy(policy, packed, advantages=None, *, dist: Dist = SINGLE, **option
 
 def completion_logprobs(policy, packed, *, temperature: float, dist: Dist = SINGLE) -> torch.Tensor:
     """Per-completion-token log-probs of a packed batch under a Policy (or a bare HF model); no grad, no logits.
-    Under sequence parallelism (dist.sp > 1) every rank of the group gets the whole batch's log-probs."""
+    Under sequence parallelism (dist.sp > 1) every rank of the group gets the whole batch's log-probs.
+
+    An FSDP2 root keeps its own parameters (embeddings, final norm, LM head) gathered after a forward, for the
+    backward that follows; this forward has none, so they go back to their shards (the reference policy, which
+    never runs a backward, would hold them whole on every rank for the whole run)."""
     if not isinstance(policy, Policy):
         policy = Policy(policy)
     with torch.no_grad():
-        return run_policy(policy, packed, temperature=temperature, dist=dist)
+        logps = run_policy(policy, packed, temperature=temperature, dist=dist)
+    if hasattr(policy, "reshard"):  # an FSDPModule
+        policy.reshard()
+    return logps

@@ -256,7 +256,8 @@ def serve_rollout(args: argparse.Namespace) -> None:
 def _config_model(args: argparse.Namespace) -> tuple:
     """serve-rollout --config: (the model directory to serve, the run's max_model_len, its vllm_enforce_eager);
     args.dtype set to the run's. The model's own directory is served as it is (the trainer sends its weights before
-    the first request, a warm-started or converted model's included); only the built-in tiny model, which has
+    the first request, a warm-started or converted model's included), and its weights are not read here (the model
+    is built on the meta device: a rollout node need not hold it twice); only the built-in tiny model, which has
     none, is written, once, to --model-dir (grpo_kernels.train.model.export)."""
     from .train.build import load
     from .train.config import for_device
@@ -264,10 +265,10 @@ def _config_model(args: argparse.Namespace) -> tuple:
     from .train.rollout.vllm_sampler import model_directory
 
     config = for_device(load_config(args.config), "cuda" if torch.cuda.is_available() else "cpu")
-    inputs = load(config)
+    source = model_directory(config.model.name)
+    inputs = load(config, weights=source is None)
     max_model_len = inputs.model.generation_config.max_length  # the run's longest prompt + completion (build)
     args.dtype = "bfloat16" if config.model.dtype == "bfloat16" else "float32"
-    source = model_directory(config.model.name)
     if source is None:
         from .train.model.export import export_model
 

@@ -394,13 +394,13 @@ def test_the_default_transfer_address_is_this_hosts_on_the_route_to_the_servers(
     (Across real interfaces: tests/test_multihost.py, which leaves the option unset.)"""
     from grpo_kernels.train.rollout import decoupled
 
-    monkeypatch.setattr(decoupled.socket, "getfqdn", lambda *a: pytest.fail("the host name was asked"))
+    monkeypatch.setattr("socket.getfqdn", lambda *a: pytest.fail("the host name was asked"))
     assert decoupled._default_address(["http://127.0.0.1:8000", "http://localhost:9"]) == "127.0.0.1"
     assert decoupled._default_address(["http://127.0.0.2:8000"]) == "127.0.0.1"
     with pytest.raises(ValueError, match=r"no route from this host to the rollout server '999.1.1.1' .*set "
                                          r"sampling.weight_transfer_address"):  # fmt: skip
         decoupled._default_address(["http://999.1.1.1:8000"])
-    monkeypatch.setattr(decoupled, "route_source", lambda host, port: {"a": "10.0.0.2", "b": "10.1.0.2"}[host])
+    monkeypatch.setattr(decoupled, "route_address", lambda host, port: {"a": "10.0.0.2", "b": "10.1.0.2"}[host])
     assert decoupled._default_address(["http://a:1", "http://a:2"]) == "10.0.0.2"
     with pytest.raises(ValueError, match=r"different addresses of this host \(10.0.0.2 for http://a:1; 10.1.0.2 for "
                                          r"http://b:2\): set sampling.weight_transfer_address"):  # fmt: skip

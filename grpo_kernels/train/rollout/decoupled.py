@@ -23,7 +23,6 @@ the weights, checks them and resumes the servers.
 
 import os
 import shutil
-import socket
 import threading
 import time
 from pathlib import Path
@@ -38,7 +37,7 @@ from ..model.fsdp import SINGLE, all_gather_objects
 from ..model.policy import completion_logprobs
 from .auth import env_key, new_key
 from .sampling import HeldOut, collect, held_out
-from .server import RolloutServer, RolloutServerError, ServerClient, free_port, response_limit
+from .server import RolloutServer, RolloutServerError, ServerClient, free_port, response_limit, route_address
 from .server_sampler import ServerSampler
 from .vllm_sampler import engine_enforce_eager, hf_weight_names, model_directory, write_engine_config
 
@@ -391,22 +390,16 @@ def _default_address(urls: list) -> str:
     routes = {}
     for url in urls:
         parsed = urlparse(url)
-        routes.setdefault(route_source(parsed.hostname, parsed.port or 80), []).append(url)
+        try:
+            source = route_address(parsed.hostname, parsed.port or 80)
+        except OSError as exc:
+            raise ValueError(f"no route from this host to the rollout server {parsed.hostname!r} ({exc}): set "
+                             "sampling.weight_transfer_address to this host's address on the servers' "
+                             "network") from None  # fmt: skip
+        routes.setdefault(source, []).append(url)
     if len(routes) > 1:
         seen = "; ".join(f"{address} for {', '.join(via)}" for address, via in routes.items())
         raise ValueError(f"the rollout servers are reached through different addresses of this host ({seen}): set "
                          "sampling.weight_transfer_address to the one every server can reach")  # fmt: skip
     return next(iter(routes))
 
-
-def route_source(host: str, port: int) -> str:
-    """This host's address on the route to host:port (a UDP socket's connect: nothing is sent)."""
-    try:
-        family, _, _, _, target = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect(target)
-            return probe.getsockname()[0]
-    except OSError as exc:
-        raise ValueError(f"no route from this host to the rollout server {host!r} ({exc}): set "
-                         "sampling.weight_transfer_address to this host's address on the servers' "
-                         "network") from None  # fmt: skip

@@ -57,6 +57,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def route_address(host: str, port: int) -> str:
+    """This host's address on the route to host:port, the source address the kernel picks (a UDP socket's connect
+    sends nothing); OSError where host does not resolve or has no route."""
+    family, _, _, _, target = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(target)
+        return probe.getsockname()[0]
+
+
 def _child_setup(cpus):
     def setup():  # runs in the child between fork and exec
         libc = ctypes.CDLL("libc.so.6", use_errno=True)

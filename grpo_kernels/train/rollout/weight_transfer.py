@@ -36,6 +36,7 @@ from typing import ClassVar
 import torch
 
 from ..model.converters import hf_named_weights
+from .server import route_address
 
 __all__ = ["GLOO_BACKEND", "WeightSync", "bucket_plan", "register_vllm_plugin"]
 
@@ -109,15 +110,6 @@ def _listen(address: str, port: int) -> socket.socket:
     return sock
 
 
-def _route_address(address: str, port: int) -> str:
-    """This host's address on the route to address:port (a UDP socket's connect sends nothing): where a worker's
-    gloo listener binds, the interface the trainer reaches it through."""
-    family, _, _, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect(sockaddr)
-        return probe.getsockname()[0]
-
-
 def _gloo_group(address: str, port: int, rank: int, world_size: int, timeout_s: float, *, listen=None):
     """A gloo process group of its own (not torch.distributed's default one, which vLLM's workers and an FSDP
     trainer already use), rendezvous through a TCPStore that rank 0 hosts on `listen` (its socket from `_listen`;
@@ -136,7 +128,7 @@ def _gloo_group(address: str, port: int, rank: int, world_size: int, timeout_s: 
             raise
     else:
         store = dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout, wait_for_workers=False)
-        host = _route_address(address, port)
+        host = route_address(address, port)  # where a worker's gloo listener binds: its side of the route
     options = dist.ProcessGroupGloo._Options()
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     options._timeout = timeout

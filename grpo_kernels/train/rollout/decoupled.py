@@ -402,4 +402,3 @@ def _default_address(urls: list) -> str:
         raise ValueError(f"the rollout servers are reached through different addresses of this host ({seen}): set "
                          "sampling.weight_transfer_address to the one every server can reach")  # fmt: skip
     return next(iter(routes))
-

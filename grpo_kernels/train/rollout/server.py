@@ -44,7 +44,8 @@ import torch
 
 from .auth import GUARD, KEY_ENV
 
-__all__ = ["RolloutServer", "RolloutServerError", "ServerClient", "TemperatureExtension", "free_port"]
+__all__ = ["RolloutServer", "RolloutServerError", "ServerClient", "TemperatureExtension", "free_port",
+           "route_address"]  # fmt: skip
 
 
 class RolloutServerError(RuntimeError):
